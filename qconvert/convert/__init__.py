@@ -1,0 +1,1 @@
+"""Conversion: numerics and layouts (pure tensor functions), plan, dialects, pipeline (I/O)."""
