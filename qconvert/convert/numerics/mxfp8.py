@@ -22,7 +22,10 @@ MIN_SCALE_BYTE = 1
 
 
 def mxfp8_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (int32 tensor) for fp32 block maxima under RCEIL, clamped to [1, 254].
+    """E8M0 bytes (int32 tensor) for fp32 block maxima under RCEIL, at least 1.
+
+    A non-finite amax (NaN or inf in the block) gives 255, E8M0's NaN: callers that must refuse
+    non-finite weights check for it instead of making another pass over the data.
 
     ceil(log2(t)) for t = amax/448 is read off the fp32 bit pattern: adding 0x7FFFFF to the
     bits carries into the exponent field unless the mantissa is zero, so the exponent field of
@@ -32,7 +35,7 @@ def mxfp8_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     t = amax.float() / E4M3_MAX
     bits = t.view(torch.int32)
     byte = ((bits + 0x7FFFFF) >> 23) & 0xFF
-    return byte.clamp_(MIN_SCALE_BYTE, 254)
+    return byte.clamp_(min=MIN_SCALE_BYTE)
 
 
 def _pow2_from_biased(biased: torch.Tensor) -> torch.Tensor:
@@ -50,7 +53,7 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     byte = mxfp8_scale_bytes(amax)
     # 2^-E has biased exponent 127 - E = 254 - byte; byte <= 254 keeps it a normal fp32 >= 1.
     # For the bytes BF16 can produce (<= 247) it is always a normal number.
-    inv_scale = _pow2_from_biased(254 - byte)
+    inv_scale = _pow2_from_biased(254 - byte.clamp(max=254))
     scaled = xb.mul_(inv_scale) if xb.data_ptr() != x.data_ptr() else xb * inv_scale
     # RCEIL guarantees |scaled| <= 448 for BF16 inputs; the clamp protects wider inputs from
     # PyTorch's non-saturating CUDA cast (formats.md §3.4).

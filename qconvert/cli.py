@@ -1,0 +1,169 @@
+"""The ``qconvert`` command: a thin click layer over the library."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import QConvertError
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def handle_errors(fn):
+    """Print a QConvertError as one line and exit 1; Ctrl-C exits 130 without a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except QConvertError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was installed at DST", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def plan_options(fn):
+    """Options shared by every conversion command."""
+    opts = [
+        click.argument("src"),
+        click.argument("dst", required=False),
+        click.option("--last-n-bf16", type=int, default=0, show_default=True, help="Keep the last N decoder layers in BF16."),
+        click.option("--first-n-bf16", type=int, default=0, show_default=True, help="Keep the first M decoder layers in BF16."),
+        click.option("--keep-bf16", multiple=True, metavar="PATTERN", help="Keep modules matching this glob in BF16 (repeatable)."),
+        click.option("--quantize-lm-head", is_flag=True, help="Quantize lm_head too (engines usually keep it BF16)."),
+        click.option("--dry-run", is_flag=True, help="Print the per-layer plan and projected size; write nothing."),
+        click.option("--force", is_flag=True, help="Replace DST if it exists (only after the new output is complete)."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
+        click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def print_plan(result, limit: int | None = None):
+    rows = result.rows
+    click.echo(f"{'module':<56} {'format':<7} {'shape':<16} {'in':>10} {'out':>10}  reason")
+    shown = rows if limit is None else rows[:limit]
+    for r in shown:
+        click.echo(f"{r.module:<56} {r.fmt:<7} {str(list(r.shape)):<16} {_fmt_bytes(r.bytes_in):>10} "
+                   f"{_fmt_bytes(r.bytes_out):>10}  {r.reason}")
+    if len(shown) < len(rows):
+        click.echo(f"... {len(rows) - len(shown)} more rows")
+
+
+def print_summary(result, dry_run: bool):
+    p = result.plan
+    q = [t for t in p.tensors.values() if t.action == "quantize"]
+    kept_w = [t for t in p.tensors.values() if t.action == "keep" and t.module]
+    click.echo("")
+    click.echo(f"{'plan' if dry_run else 'converted'}: {p.arch_name} -> {result.scheme} ({result.dialect} dialect)")
+    click.echo(f"  quantized tensors : {len(q)}")
+    click.echo(f"  kept BF16 weights : {len(kept_w)}" + (f" (BF16 layers: {p.bf16_layers})" if p.bf16_layers else ""))
+    ratio = result.bytes_in / result.bytes_out if result.bytes_out else 0
+    click.echo(f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)")
+    click.echo(f"  exclusion list    : {len(p.exclusions)} entries")
+    odd = sorted({t.reason for t in p.tensors.values() if t.reason.startswith(("K=", "fused", "experts of"))})
+    for r in odd:
+        click.echo(f"  note: kept BF16 because {r}")
+    for n in result.notes:
+        click.echo(f"  note: {n}")
+    if not dry_run:
+        rate = result.bytes_in / result.seconds / 1e9 if result.seconds else 0
+        click.echo(f"  time              : {result.seconds:.1f} s ({rate:.2f} GB/s of input)")
+        click.echo(f"  written to        : {result.dst}")
+
+
+def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
+                 device, allow_non_finite, progress, dialect=None, **extra):
+    from .convert.pipeline import ConvertOptions, convert
+    from .convert.plan import PlanOptions
+
+    if dst is None and not dry_run:
+        raise click.UsageError("DST is required unless --dry-run is given")
+    popts = PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16, first_n_bf16=first_n_bf16,
+                        keep_bf16=tuple(keep_bf16), quantize_lm_head=quantize_lm_head,
+                        experts_only=extra.pop("experts_only", False))
+    opts = ConvertOptions(scheme=scheme, dialect=dialect, plan=popts, device=device, force=force, dry_run=dry_run,
+                          allow_non_finite=allow_non_finite, progress=progress, **extra)
+    result = convert(src, dst, scheme, opts)
+    if dry_run:
+        print_plan(result)
+    print_summary(result, dry_run)
+    return result
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qconvert")
+def main():
+    """Convert BF16 Hugging Face checkpoints to MXFP8 / NVFP4 for vLLM and SGLang, and hot-reload them."""
+
+
+@main.command()
+@plan_options
+@click.option("--dialect", type=click.Choice(["auto", "sglang", "modelopt"]), default="auto", show_default=True,
+              help="auto: loads in vLLM and SGLang; sglang: miles-style weight_scale_inv; modelopt: ModelOpt MXFP8.")
+@handle_errors
+def mxfp8(**kw):
+    """Convert SRC (directory or Hub repo id) to MXFP8 at DST."""
+    _run_convert("mxfp8", **kw)
+
+
+@main.command()
+@click.argument("dst")
+@click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3"]), default="qwen3-moe", show_default=True)
+@click.option("--scheme", type=click.Choice(["mxfp8"]), default="mxfp8", show_default=True)
+@click.option("--last-n-bf16", type=int, default=1, show_default=True)
+@click.option("--force", is_flag=True)
+@handle_errors
+def demo(dst, arch, scheme, last_n_bf16, force):
+    """Build the built-in tiny model (offline) in DST/bf16 and convert it to DST/<scheme>."""
+    from .convert.demo import build_demo_model
+
+    root = Path(dst)
+    src = root / "bf16"
+    out = root / f"{scheme}-last{last_n_bf16}-bf16" if last_n_bf16 else root / scheme
+    if src.exists() and not force:
+        raise QConvertError(f"{src}: already exists; choose another DST or pass --force")
+    if src.exists():
+        import shutil
+        shutil.rmtree(src)
+    build_demo_model(src, arch=arch)
+    click.echo(f"built demo model {arch} at {src}")
+    _run_convert(scheme, str(src), str(out), last_n_bf16, 0, (), False, False, force, "cpu", False, None)
+
+
+def _add_optional_commands():
+    """Commands that live beside their library code (loaders, hub, inspect)."""
+    import importlib
+
+    for mod, names in (
+        ("qconvert.loaders.cli_commands", ("reload", "stage")),
+    ):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        for n in names:
+            if hasattr(m, n):
+                main.add_command(getattr(m, n))
+
+
+_add_optional_commands()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Source checkpoints: resolve a directory or Hub repo id, validate config, index and shards."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .safetensors_io import Header, TensorEntry, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: Files of a source checkpoint that are rewritten, not copied.
+REWRITTEN = {"config.json", INDEX_NAME, "hf_quant_config.json", "qconvert.json"}
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: dict
+    shards: list[Header]  # in index order (sorted shard names)
+    source_id: str  # what the user typed (path or repo id)
+    revision: str | None = None
+    extra_files: list[Path] = field(default_factory=list)  # copied verbatim
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for h in self.shards:
+            out.update(h.entries)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for h in self.shards for e in h.entries.values())
+
+    def shard_of(self) -> dict[str, int]:
+        return {name: i for i, h in enumerate(self.shards) for name in h.entries}
+
+
+def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | None]:
+    """A local directory, else a Hugging Face repo id through huggingface_hub (cache, HF_HUB_OFFLINE)."""
+    p = Path(src).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: SRC must be a checkpoint directory (with config.json), not a file")
+        return p, None
+    looks_like_repo = src.count("/") == 1 and not src.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise CheckpointError(f"{src}: no such directory; pass a local checkpoint directory or a Hub repo id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError
+    except ImportError:  # pragma: no cover
+        raise CheckpointError("huggingface_hub is not installed; pip install huggingface_hub") from None
+    try:
+        path = snapshot_download(
+            src, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.md", "*.tiktoken", "*.py"],
+            local_files_only=not allow_download or os.environ.get("HF_HUB_OFFLINE") == "1",
+        )
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"{src}: cannot download from the Hub ({str(e).splitlines()[0]}); check the repo id and HF_TOKEN") from None
+    except Exception as e:  # LocalEntryNotFoundError, network errors
+        raise CheckpointError(
+            f"{src}: not a local directory and not in the Hugging Face cache ({e.__class__.__name__}); "
+            "check the path, or unset HF_HUB_OFFLINE to download it") from None
+    rev = Path(path).name
+    return Path(path), rev
+
+
+def _safe_member(root: Path, rel: str, index_path: Path) -> Path:
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\\" in rel or any(
+            part in ("..", "") for part in rel.split("/")):
+        raise CheckpointError(f"{index_path}: shard name {rel!r} is not a plain file name inside the checkpoint; refusing to read outside SRC")
+    # Checked lexically: Hub cache snapshots are symlinks into a blob store, so resolving is wrong.
+    return root / rel
+
+
+def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
+    root, rev = resolve_source(src, allow_download)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
+    try:
+        config = json.loads(cfg_path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); restore the original config.json") from None
+    if "quantization_config" in config:
+        qm = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
+        raise CheckpointError(f"{cfg_path}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts BF16 checkpoints")
+
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            wmap = index["weight_map"]
+            if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+                raise ValueError("weight_map must map tensor names to shard file names")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index_path}: malformed index ({e}); re-download it") from None
+        shard_names = sorted(set(wmap.values()))
+        for rel in shard_names:
+            _safe_member(root, rel, index_path)
+        shards = []
+        for rel in shard_names:
+            p = root / rel
+            if not p.is_file():
+                raise CheckpointError(f"{p}: shard listed in {INDEX_NAME} is missing; re-download the checkpoint")
+            shards.append(read_header(p))
+        seen: dict[str, Path] = {}
+        for h in shards:
+            for name in h.entries:
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears in both {seen[name].name} and {h.path.name}; the checkpoint is inconsistent")
+                seen[name] = h.path
+        for name, rel in wmap.items():
+            if name not in seen:
+                raise CheckpointError(f"{index_path}: tensor {name!r} is listed in {rel} but that shard does not hold it; re-download the checkpoint")
+            if seen[name].name != Path(rel).name:
+                raise CheckpointError(f"{index_path}: tensor {name!r} is listed in {rel} but stored in {seen[name].name}")
+        unlisted = [n for n in seen if n not in wmap]
+        if unlisted:
+            raise CheckpointError(f"{index_path}: tensor {unlisted[0]!r} in {seen[unlisted[0]].name} is not in the index; re-download the index")
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if len(files) == 1:
+            shards = [read_header(files[0])]
+        elif len(files) > 1:
+            raise CheckpointError(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index or keep one file")
+        else:
+            pickles = sorted(list(root.glob("*.bin")) + list(root.glob("*.pt")) + list(root.glob("*.pth")))
+            if pickles:
+                raise CheckpointError(
+                    f"{pickles[0]}: pickle checkpoints can execute code and are refused; convert to safetensors first "
+                    "(e.g. transformers' save_pretrained(safe_serialization=True))")
+            raise CheckpointError(f"{root}: no .safetensors weights found")
+    if not any(h.entries for h in shards):
+        raise CheckpointError(f"{root}: the checkpoint holds no tensors (empty model)")
+
+    shard_paths = {h.path.resolve() for h in shards}
+    extra = []
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.name not in REWRITTEN and p.resolve() not in shard_paths and not p.name.endswith(
+                (".safetensors", ".bin", ".pt", ".pth", ".lock")) and not p.name.startswith("."):
+            extra.append(p)
+    return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra)

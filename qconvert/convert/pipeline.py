@@ -1,0 +1,484 @@
+"""Streaming conversion: read shard by shard, quantize, write; temp directory renamed at the end.
+
+Three stages overlap: a reader thread reads tensors in file order (hashing the input as it goes),
+the calling thread quantizes (torch releases the GIL and uses all cores), and a writer thread
+``pwrite``s each output tensor at its precomputed offset. Peak memory is the tensors in flight,
+bounded by the queues, plus fused-group members waiting for their partners.
+
+Each output shard corresponds to one input shard (same file name), so output shards keep the
+source's proportions and a tensor's bytes are found where a reader of the source expects them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import __version__
+from ..errors import CheckpointError, OutputError, QConvertError
+from . import dialects
+from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
+from .numerics.mxfp8 import mxfp8_quantize
+from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
+from .safetensors_io import ShardReader, ShardWriter
+
+MANIFEST_NAME = "qconvert.json"
+MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
+MXFP8_ZERO_POLICY = "E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 (all-zero blocks) differ from online quantizers"
+
+
+@dataclass
+class ConvertOptions:
+    scheme: str = "mxfp8"
+    dialect: str | None = None
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    device: str = "cpu"
+    force: bool = False
+    dry_run: bool = False
+    allow_non_finite: bool = False
+    progress: bool | None = None  # None: on a terminal only
+    queue_bytes: int = 1 << 30  # read-ahead bound
+    fsync: bool = True
+
+
+@dataclass
+class PlanRow:
+    module: str
+    action: str
+    fmt: str
+    shape: tuple
+    bytes_in: int
+    bytes_out: int
+    reason: str
+
+
+@dataclass
+class ConvertResult:
+    dst: Path | None
+    plan: Plan
+    scheme: str
+    dialect: str
+    rows: list[PlanRow]
+    bytes_in: int
+    bytes_out: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_quantized(self) -> int:
+        return len(self.plan.quantized)
+
+    @property
+    def n_kept(self) -> int:
+        return len(self.plan.kept)
+
+
+# ---- jobs -------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """Turns source tensors into output tensors; ``outputs`` is known before any byte is read."""
+    sources: list[str]
+    outputs: list[dialects.OutTensor]
+    fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    fmt: str
+
+
+def _keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -> Job:
+    def fn(src):
+        t = src[name]
+        if check_finite and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"tensor {name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        return {name: t}
+    return Job([name], [dialects.OutTensor(name, dtype, tuple(shape), "bf16")], fn, "bf16")
+
+
+def _mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
+    outs = dialects.mxfp8_out_tensors(tp.module, tp.shape, dialect)
+
+    def fn(src):
+        x = src[tp.name]
+        if device != "cpu":
+            x = x.to(device, non_blocking=True)
+        q, s = mxfp8_quantize(x)
+        if check_finite and bool((s == 255).any()):
+            raise CheckpointError(f"tensor {tp.name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        if device != "cpu":
+            q, s = q.cpu(), s.cpu()
+        return {outs[0].name: q, outs[1].name: s}
+    return Job([tp.name], outs, fn, "mxfp8")
+
+
+def build_jobs(ckpt: Checkpoint, plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> list[Job]:
+    from .safetensors_io import DTYPES
+    jobs = []
+    check = not opts.allow_non_finite
+    entries = ckpt.tensors
+    for name, tp in plan.tensors.items():
+        if tp.action == KEEP:
+            jobs.append(_keep_job(name, DTYPES[entries[name].dtype][0], tp.shape, check))
+        elif scheme == "mxfp8":
+            jobs.append(_mxfp8_job(tp, dialect, opts.device, check))
+        else:
+            raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    return jobs
+
+
+# ---- planning output ----------------------------------------------------------------------------
+
+def _nbytes(o: dialects.OutTensor) -> int:
+    n = 1
+    for d in o.shape:
+        n *= d
+    return n * torch.tensor([], dtype=o.dtype).element_size()
+
+
+def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
+    entries = ckpt.tensors
+    rows = []
+    for j in jobs:
+        tp = plan.tensors[j.sources[0]]
+        rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
+                            sum(entries[s].nbytes for s in j.sources), sum(_nbytes(o) for o in j.outputs), tp.reason))
+    return rows
+
+
+def prepare(src: str, scheme: str, opts: ConvertOptions):
+    ckpt = load_checkpoint(src)
+    inventory = {n: (e.dtype, e.shape) for n, e in ckpt.tensors.items()}
+    plan = build_plan(inventory, ckpt.config, opts.plan)
+    dialect = dialects.resolve_dialect(scheme, opts.dialect)
+    jobs = build_jobs(ckpt, plan, scheme, dialect, opts)
+    return ckpt, plan, dialect, jobs
+
+
+# ---- output directory handling ------------------------------------------------------------------
+
+def _check_dst(dst: Path, force: bool):
+    if dst.exists() and not force:
+        raise OutputError(f"{dst}: already exists; choose another DST or pass --force to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"{dst}: exists and is not a directory; remove it or choose another DST")
+    parent = dst.parent
+    if not parent.exists():
+        raise OutputError(f"{parent}: parent directory of DST does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{parent}: not writable; choose a DST in a writable directory")
+
+
+def _tmp_dir(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
+
+
+def _install(tmp: Path, dst: Path):
+    """Rename the finished temp dir into place; an existing DST (--force) is replaced last."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.qconvert-old-{os.getpid()}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool | None, desc: str):
+        self.bar = None
+        if enabled is None:
+            enabled = os.isatty(2)
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
+                            dynamic_ncols=True, smoothing=0.1, leave=False)
+
+    def update(self, n: int):
+        if self.bar:
+            self.bar.update(n)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+class _HashingWriter:
+    """ShardWriter plus a sha256 of the file, incremental while writes arrive in offset order."""
+
+    def __init__(self, path: Path, specs):
+        self.w = ShardWriter(path, specs)
+        self._order = list(self.w.names)
+        self._next = 0
+        self._hash = None
+        self._in_order = True
+        self._held: dict[str, torch.Tensor] = {}
+
+    def write(self, name: str, t: torch.Tensor):
+        self.w.write(name, t)
+        if self._in_order and self._order[self._next] == name:
+            if self._hash is None:
+                with open(self.w.path, "rb") as f:
+                    (n,) = __import__("struct").unpack("<Q", f.read(8))
+                    f.seek(0)
+                    self._hash = hashlib.sha256(f.read(8 + n))
+            from .safetensors_io import tensor_bytes
+            self._hash.update(tensor_bytes(t))
+            self._next += 1
+        else:
+            self._in_order = False
+
+    @property
+    def complete(self):
+        return self.w.complete
+
+    def close(self, fsync: bool) -> str:
+        self.w.close(fsync)
+        if self._in_order and self._hash is not None and self._next == len(self._order):
+            return self._hash.hexdigest()
+        h = hashlib.sha256()
+        with open(self.w.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+
+def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
+            opts: ConvertOptions | None = None, log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert checkpoint ``src`` into ``dst``. With ``opts.dry_run`` only plans."""
+    opts = opts or ConvertOptions(scheme=scheme)
+    log = log or (lambda s: None)
+    t0 = time.perf_counter()
+    if opts.device != "cpu" and not torch.cuda.is_available():
+        raise QConvertError(f"--device {opts.device}: CUDA is not available here; use --device cpu")
+    if not opts.dry_run:
+        if dst is None:
+            raise OutputError("DST is required unless --dry-run")
+        dst = Path(dst).expanduser().absolute()
+        _check_dst(dst, opts.force)
+    ckpt, plan, dialect, jobs = prepare(src, scheme, opts)
+    rows = plan_rows(ckpt, plan, jobs)
+    bytes_in = sum(r.bytes_in for r in rows)
+    bytes_out = sum(r.bytes_out for r in rows)
+    result = ConvertResult(None if opts.dry_run else dst, plan, scheme, dialect, rows, bytes_in, bytes_out,
+                           notes=list(plan.notes))
+    if opts.dry_run:
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    tmp = _tmp_dir(dst)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        os.mkdir(tmp)
+    except OSError as e:
+        raise OutputError(f"{tmp}: cannot create the temporary output directory ({e.strerror})") from None
+    try:
+        input_sha, output_sha = _run(ckpt, plan, jobs, tmp, opts, bytes_in)
+        _write_metadata(ckpt, plan, jobs, scheme, dialect, tmp, opts, input_sha, output_sha)
+        _install(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int):
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    shard_of = ckpt.shard_of()
+    job_of = {s: j for j in jobs for s in j.sources}
+    # output tensor -> output shard: the shard of the source it came from
+    specs: list[list] = [[] for _ in ckpt.shards]
+    out_shard: dict[str, int] = {}
+    entries = ckpt.tensors
+    order = {name: (shard_of[name], entries[name].start) for name in entries}
+    for j in sorted(jobs, key=lambda j: max(order[s] for s in j.sources)):
+        for o, srcname in zip(j.outputs, _source_for_outputs(j)):
+            i = shard_of[srcname]
+            specs[i].append((o.name, o.dtype, o.shape))
+            out_shard[o.name] = i
+    writers = [_HashingWriter(tmp / h.path.name, specs[i]) for i, h in enumerate(ckpt.shards)]
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    read_q: queue.Queue = queue.Queue()
+    write_q: queue.Queue = queue.Queue(maxsize=64)
+    inflight = [0]  # bytes read but not yet quantized: bounds read-ahead memory
+    cond = threading.Condition()
+    input_sha: dict[str, str] = {}
+
+    def reader():
+        try:
+            for h in ckpt.shards:
+                with ShardReader(h) as r:
+                    for e, t in r.iter_tensors():
+                        with cond:
+                            while inflight[0] > 0 and inflight[0] + e.nbytes > opts.queue_bytes and not stop.is_set():
+                                cond.wait(0.2)
+                            if stop.is_set():
+                                return
+                            inflight[0] += e.nbytes
+                        read_q.put((e, t))
+                    input_sha[h.path.name] = r.sha256()
+        except BaseException as ex:  # surfaced by the main loop
+            errors.append(ex)
+        finally:
+            read_q.put(None)
+
+    output_sha: dict[str, str] = {}
+
+    def writer():
+        try:
+            while True:
+                item = write_q.get()
+                if item is None:
+                    return
+                name, t = item
+                i = out_shard[name]
+                w = writers[i]
+                w.write(name, t)
+                if w.complete:
+                    output_sha[ckpt.shards[i].path.name] = w.close(opts.fsync)
+        except BaseException as ex:
+            errors.append(ex)
+            stop.set()
+
+    rt = threading.Thread(target=reader, name="qconvert-reader", daemon=True)
+    wt = threading.Thread(target=writer, name="qconvert-writer", daemon=True)
+    rt.start()
+    wt.start()
+    bar = _Progress(bytes_in, opts.progress, "convert")
+    waiting: dict[str, torch.Tensor] = {}
+    try:
+        while True:
+            item = read_q.get()
+            if item is None:
+                break
+            if errors:
+                break
+            e, t = item
+            j = job_of[e.name]
+            waiting[e.name] = t
+            if all(s in waiting for s in j.sources):
+                src = {s: waiting.pop(s) for s in j.sources}
+                out = j.fn(src)
+                for o in j.outputs:
+                    while True:
+                        try:
+                            write_q.put((o.name, out[o.name]), timeout=0.2)
+                            break
+                        except queue.Full:
+                            if errors:
+                                raise errors[0]
+                bar.update(sum(x.numel() * x.element_size() for x in src.values()))
+                del src, out
+            with cond:
+                inflight[0] -= e.nbytes
+                cond.notify()
+        if errors:
+            raise errors[0]
+        if waiting:
+            raise CheckpointError(f"tensor {next(iter(waiting))!r}: its fused partners never arrived (internal)")
+    except BaseException:
+        stop.set()
+        with cond:
+            cond.notify_all()
+        raise
+    finally:
+        write_q.put(None)
+        wt.join()
+        rt.join(timeout=5)
+        bar.close()
+        for w in writers:
+            if not w.w._pending:
+                continue
+            w.w.abort()
+    if errors:
+        raise errors[0]
+    for i, w in enumerate(writers):
+        name = ckpt.shards[i].path.name
+        if name not in output_sha:
+            if w.w.names:
+                raise OutputError(f"{tmp / name}: output shard incomplete (internal)")
+            output_sha[name] = w.close(opts.fsync)  # empty shard: header only
+    return input_sha, output_sha
+
+
+def _source_for_outputs(j: Job) -> list[str]:
+    """Source name per output: outputs named after a source module stay in that source's shard."""
+    out = []
+    for o in j.outputs:
+        best = j.sources[0]
+        for s in j.sources:
+            mod = s[: -len(".weight")] if s.endswith(".weight") else s
+            if o.name == s or o.name.startswith(mod + "."):
+                best = s
+                break
+        out.append(best)
+    return out
+
+
+def _write_json(path: Path, obj):
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, dialect: str, tmp: Path,
+                    opts: ConvertOptions, input_sha: dict, output_sha: dict):
+    config = dict(ckpt.config)
+    if scheme == "mxfp8":
+        qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
+    else:
+        raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    config["quantization_config"] = qcfg
+    _write_json(tmp / "config.json", config)
+    for fname, obj in extra.items():
+        _write_json(tmp / fname, obj)
+
+    if len(ckpt.shards) > 1:
+        weight_map, total = {}, 0
+        for j in jobs:
+            for o, s in zip(j.outputs, _source_for_outputs(j)):
+                weight_map[o.name] = ckpt.shards[ckpt.shard_of()[s]].path.name
+                total += _nbytes(o)
+        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
+                                       "weight_map": dict(sorted(weight_map.items()))})
+    for p in ckpt.extra_files:
+        shutil.copy2(p, tmp / p.name)
+
+    manifest = {
+        "qconvert_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "scheme": scheme,
+        "dialect": dialect,
+        "engines": dialects.engines_for(scheme, dialect),
+        "source": {"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
+                   "sha256": input_sha},
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
+        "non_finite_allowed": bool(opts.allow_non_finite),
+        "bf16_layers": plan.bf16_layers,
+        "exclusions": plan.exclusions,
+        "outputs": {"sha256": output_sha},
+        "tensors": {},
+    }
+    if scheme == "mxfp8":
+        manifest["recipe"] = "rceil"
+        manifest["scale_rule"] = MXFP8_SCALE_RULE
+        manifest["zero_block_scale_byte"] = 1
+        manifest["zero_block_policy"] = MXFP8_ZERO_POLICY
+    for name, tp in plan.tensors.items():
+        if tp.module is None:
+            continue
+        manifest["tensors"][tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
+                                          "shape": list(tp.shape), "reason": tp.reason}
+    _write_json(tmp / MANIFEST_NAME, manifest)

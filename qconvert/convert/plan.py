@@ -1,0 +1,284 @@
+"""Which tensor becomes what: quantize or keep, fused groups, and the exclusion list.
+
+Pure: works on the tensor inventory (name -> dtype tag, shape) and config.json, does no I/O.
+
+The exclusion list uses only entry forms that mean the same under SGLang's dotted-path matcher and
+vLLM's substring + fnmatch matcher (formats.md §6.4): ``model.layers.{i}.`` (trailing dot) for a
+whole BF16 layer, exact module paths otherwise, ``...mlp.experts`` for BF16 expert groups, never a
+glob.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from ..errors import PlanError
+from .architectures import EXPERT_RE, LAYER_RE, Arch, arch_of, expected_shapes, num_layers
+
+QUANTIZE = "quantize"
+KEEP = "keep"
+
+FLOAT_SOURCE_TAGS = {"BF16", "F16", "F32"}
+QUANTIZED_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
+
+SCHEME_BLOCK = {"mxfp8": 32, "nvfp4": 16, "bf16": None}
+
+_ROUTER_RE = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.shared_expert_gate$")
+_GROUP_MEMBER = {
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+    "gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up",
+}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    scheme: str = "mxfp8"  # mxfp8 | nvfp4 | bf16 (layout only)
+    last_n_bf16: int = 0
+    first_n_bf16: int = 0
+    keep_bf16: tuple[str, ...] = ()
+    quantize_lm_head: bool = False
+    experts_only: bool = False
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    action: str  # QUANTIZE | KEEP
+    reason: str
+    module: str | None = None  # name without ".weight" for weights
+    layer: int | None = None
+    kind: str = "other"  # attn | mlp | expert | shared_expert | router | embed | norm | lm_head | other
+    group: str | None = None  # fused-group id: members share a global scale (NVFP4) and a format
+
+
+@dataclass
+class Plan:
+    options: PlanOptions
+    arch_name: str
+    arch: Arch | None
+    num_layers: int | None
+    tensors: dict[str, TensorPlan]
+    bf16_layers: list[int]
+    exclusions: list[str]
+    notes: list[str] = field(default_factory=list)
+    moe_layers: list[int] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[TensorPlan]:
+        return [t for t in self.tensors.values() if t.action == QUANTIZE]
+
+    @property
+    def kept(self) -> list[TensorPlan]:
+        return [t for t in self.tensors.values() if t.action == KEEP]
+
+    def groups(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for t in self.tensors.values():
+            if t.group and t.action == QUANTIZE:
+                out.setdefault(t.group, []).append(t.name)
+        return out
+
+
+def natural_key(s: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def _classify(name: str, shape) -> tuple[str, str | None, int | None]:
+    """(kind, module, layer) from the tensor name alone."""
+    module = name[: -len(".weight")] if name.endswith(".weight") else None
+    m = LAYER_RE.match(name)
+    layer = int(m.group("idx")) if m else None
+    if module is None:
+        return "other", None, layer
+    last = module.rsplit(".", 1)[-1]
+    if module == "lm_head" or module.endswith(".lm_head"):
+        return "lm_head", module, layer
+    if "embed" in last or last in ("wte", "wpe"):
+        return "embed", module, layer
+    if "norm" in last or last.startswith("ln"):
+        return "norm", module, layer
+    if _ROUTER_RE.search(module):
+        return "router", module, layer
+    if EXPERT_RE.search(name):
+        return "expert", module, layer
+    if ".shared_expert." in module or ".shared_experts." in module:
+        return "shared_expert", module, layer
+    if ".self_attn." in module or ".attention." in module or ".attn." in module:
+        return "attn", module, layer
+    if ".mlp." in module or ".feed_forward." in module:
+        return "mlp", module, layer
+    return "other", module, layer
+
+
+def _group_id(t: TensorPlan) -> str | None:
+    if t.module is None:
+        return None
+    parent, last = t.module.rsplit(".", 1) if "." in t.module else ("", t.module)
+    g = _GROUP_MEMBER.get(last)
+    return f"{parent}.{g}" if g else None
+
+
+def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, options: PlanOptions) -> Plan:
+    """Decide every tensor's fate. ``inventory`` maps tensor name -> (safetensors dtype tag, shape)."""
+    if options.scheme not in SCHEME_BLOCK:
+        raise PlanError(f"unknown scheme {options.scheme!r}; use mxfp8, nvfp4 or bf16")
+    block = SCHEME_BLOCK[options.scheme]
+    arch_name, arch = arch_of(config)
+    n_layers = num_layers(config)
+    notes: list[str] = []
+    if arch is None:
+        notes.append(f"architecture {arch_name} is not one qconvert knows; converted by the generic name rules "
+                     "(2-D Linear weights quantized; embeddings, norms, routers, lm_head kept)")
+
+    # Whole-layer BF16 sets.
+    for flag, n in (("--last-n-bf16", options.last_n_bf16), ("--first-n-bf16", options.first_n_bf16)):
+        if n < 0:
+            raise PlanError(f"{flag} must be >= 0, got {n}")
+        if n and n_layers is None:
+            raise PlanError(f"{flag} needs num_hidden_layers in config.json, which this model lacks; use --keep-bf16 patterns")
+        if n_layers is not None and n > n_layers:
+            raise PlanError(f"{flag} {n} exceeds the model's {n_layers} layers")
+    bf16_layers: set[int] = set()
+    if n_layers:
+        bf16_layers |= set(range(n_layers - options.last_n_bf16, n_layers)) if options.last_n_bf16 else set()
+        bf16_layers |= set(range(0, options.first_n_bf16))
+
+    shape_rules = expected_shapes(config, arch) if arch else []
+    tensors: dict[str, TensorPlan] = {}
+    for name in sorted(inventory, key=natural_key):
+        dtype, shape = inventory[name]
+        shape = tuple(shape)
+        kind, module, layer = _classify(name, shape)
+        for pat, want, desc in shape_rules:
+            if pat.search(name) and shape != want:
+                raise PlanError(f"tensor {name!r} has shape {list(shape)} but config.json implies {list(want)} "
+                                f"({desc}); the weights do not belong to this config.json")
+        t = TensorPlan(name, dtype, shape, KEEP, "", module, layer, kind)
+        t.group = _group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        if module is None:
+            t.reason = "not a weight"
+        elif len(shape) == 3 and kind != "norm" and ".experts" in name:
+            raise PlanError(f"tensor {name!r} is a fused 3-D expert tensor {list(shape)}; qconvert supports per-expert "
+                            "2-D expert weights (experts.{e}.gate_proj/up_proj/down_proj) only")
+        elif len(shape) != 2:
+            t.reason = f"{len(shape)}-D"
+        elif kind in ("embed", "norm", "router"):
+            t.reason = {"embed": "embedding", "norm": "norm", "router": "MoE router"}[kind]
+        elif kind == "lm_head" and not options.quantize_lm_head:
+            t.reason = "lm_head (pass --quantize-lm-head to quantize it)"
+        elif block is None:
+            t.reason = "bf16 scheme"
+        elif dtype in QUANTIZED_TAGS:
+            raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints")
+        elif dtype not in FLOAT_SOURCE_TAGS:
+            raise PlanError(f"tensor {name!r} has dtype {dtype}, which qconvert cannot quantize; convert the checkpoint to BF16")
+        elif layer is not None and layer in bf16_layers:
+            t.reason = "BF16 layer (" + ("last" if n_layers and layer >= n_layers - options.last_n_bf16 else "first") + " layers)"
+        elif options.experts_only and kind != "expert":
+            t.reason = "--experts-only"
+        elif any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(name, p) for p in options.keep_bf16):
+            t.reason = "--keep-bf16"
+        elif shape[1] % block:
+            t.reason = f"K={shape[1]} not a multiple of {block}"
+        elif shape[0] == 0:
+            t.reason = "empty"
+        else:
+            t.action, t.reason = QUANTIZE, "linear"
+        tensors[name] = t
+
+    moe_layers = sorted({t.layer for t in tensors.values() if t.kind == "expert" and t.layer is not None})
+    _harmonize_groups(tensors, notes)
+    _harmonize_experts(tensors, notes)
+
+    for p in options.keep_bf16:
+        if not any(fnmatch.fnmatchcase(t.module or "", p) or fnmatch.fnmatchcase(t.name, p) for t in tensors.values()):
+            notes.append(f"--keep-bf16 {p!r} matched no tensor")
+    if block is not None and not any(t.action == QUANTIZE for t in tensors.values()):
+        raise PlanError("no tensor would be quantized (no 2-D Linear weights with a suitable K outside the kept layers); "
+                        "nothing to convert")
+    exclusions = exclusion_list(tensors, sorted(bf16_layers), options, moe_layers)
+    return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers)
+
+
+def _harmonize_groups(tensors: dict[str, TensorPlan], notes: list[str]):
+    """Fused shards (q/k/v, gate/up) must share one format: engines fuse them into one layer."""
+    groups: dict[str, list[TensorPlan]] = {}
+    for t in tensors.values():
+        if t.group and t.kind != "expert":
+            groups.setdefault(t.group, []).append(t)
+    for gid, members in groups.items():
+        acts = {m.action for m in members}
+        if len(acts) > 1:
+            why = next(m for m in members if m.action == KEEP)
+            for m in members:
+                if m.action == QUANTIZE:
+                    m.action, m.reason = KEEP, f"fused with {why.module} ({why.reason})"
+            notes.append(f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards")
+
+
+def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
+    """All experts of one MoE layer share one format: the engine's FusedMoE has one quant method."""
+    per_layer: dict[str, list[TensorPlan]] = {}
+    for t in tensors.values():
+        if t.kind == "expert":
+            per_layer.setdefault(t.module.split(".experts.")[0] + ".experts", []).append(t)
+    for prefix, members in per_layer.items():
+        acts = {m.action for m in members}
+        if len(acts) > 1:
+            why = next(m for m in members if m.action == KEEP)
+            for m in members:
+                if m.action == QUANTIZE:
+                    m.action, m.reason = KEEP, f"experts of this layer stay BF16 ({why.name}: {why.reason})"
+            notes.append(f"{prefix}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format")
+
+
+def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], options: PlanOptions,
+                   moe_layers: list[int]) -> list[str]:
+    """The list written under the config's exclusion keys (formats.md §6.4)."""
+    entries: set[str] = set()
+    layer_prefix: dict[int, str] = {}
+    for t in tensors.values():
+        if t.layer is not None and t.layer in bf16_layers and t.layer not in layer_prefix:
+            m = LAYER_RE.match(t.name)
+            layer_prefix[t.layer] = f"{m.group('prefix')}.{t.layer}."
+    entries |= set(layer_prefix.values())
+    expert_prefixes_kept: set[str] = set()
+    expert_prefixes_quant: set[str] = set()
+    for t in tensors.values():
+        if t.module is None:
+            continue
+        if t.kind == "expert":
+            pre = t.module.split(".experts.")[0] + ".experts"
+            (expert_prefixes_kept if t.action == KEEP else expert_prefixes_quant).add(pre)
+            continue
+        if t.action == KEEP:
+            entries.add(t.module)
+    # BF16 experts: the layer prefix covers them for dotted/substring matchers, but SGLang's
+    # ModelOpt FusedMoE matcher needs the experts module itself (formats.md §6.2, §6.3).
+    entries |= expert_prefixes_kept - expert_prefixes_quant
+    return sorted(entries, key=natural_key)
+
+
+# ---- matchers: how each engine reads the list (used by tests and `verify`) ----------------------
+
+def sglang_dotted_excluded(prefix: str, entries: list[str]) -> bool:
+    """SGLang Fp8Config's dotted-path rule (formats.md §6.3), on an HF module path."""
+    forms = set()
+    for e in entries:
+        e = e.rstrip(".")
+        base = e.removeprefix("model.")
+        forms |= {base, "model." + base}
+    p = prefix.rstrip(".")
+    for e in forms:
+        if p == e or p.startswith(e + ".") or ("." + e + ".") in ("." + p + "."):
+            return True
+    return False
+
+
+def vllm_substring_excluded(prefix: str, entries: list[str]) -> bool:
+    """vLLM ModelOpt-style rule: exact, plain substring, or fnmatch (formats.md §6.3)."""
+    return any(prefix == e or e in prefix or fnmatch.fnmatchcase(prefix, e) for e in entries)

@@ -1,0 +1,281 @@
+"""Validating safetensors reader and an offset-addressed writer.
+
+The reader never trusts a header: lengths, JSON types, dtypes, shapes and offsets are checked
+against the file before any tensor byte is read, so a truncated or hostile file fails with a
+one-line error that names the file and the tensor. Tensors are read with ``readinto`` into
+fresh buffers (no mmap), which keeps peak memory at the tensors in flight.
+
+The writer computes the whole header up front from (name, dtype, shape) and then accepts tensors
+in any order, writing each at its offset. A shard is complete when every tensor was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, OutputError
+
+#: safetensors dtype tag -> (torch dtype, itemsize)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BF16": (torch.bfloat16, 2),
+    "F16": (torch.float16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "I16": (torch.int16, 2),
+    "I32": (torch.int32, 4),
+    "I64": (torch.int64, 8),
+    "BOOL": (torch.bool, 1),
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, 1)
+TORCH_TO_TAG = {v[0]: k for k, v in DTYPES.items()}
+
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+ALIGN = 8
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # safetensors tag
+    shape: tuple[int, ...]
+    start: int  # absolute file offset
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+
+@dataclass
+class Header:
+    path: Path
+    header_len: int
+    entries: dict[str, TensorEntry]  # in file-offset order
+    metadata: dict[str, str]
+    file_size: int
+
+
+def _fail(path: Path, what: str, fix: str = "re-download or re-export this shard") -> CheckpointError:
+    return CheckpointError(f"{path}: {what}; {fix}")
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Parse and validate a safetensors header. Raises CheckpointError naming the problem."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _fail(path, f"file is {size} bytes, too short for a safetensors header (truncated?)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise _fail(path, f"header length {n} exceeds the file size {size} (truncated or not safetensors)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found; check the checkpoint path or re-download it") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied; make the file readable") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"header is not valid JSON ({e.__class__.__name__}: {str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise _fail(path, "header is not a JSON object")
+    data_start = 8 + n
+    data_len = size - data_start
+    metadata = obj.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail(path, "__metadata__ must map strings to strings")
+    entries = []
+    for name, spec in obj.items():
+        if not isinstance(spec, dict):
+            raise _fail(path, f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _fail(path, f"tensor {name!r}: unsupported dtype {dtype!r}",
+                        "convert it to BF16 first; qconvert reads " + ", ".join(DTYPES))
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _fail(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise _fail(path, f"tensor {name!r}: data_offsets {offs!r} are not a valid [begin, end] pair")
+        if offs[1] > data_len:
+            raise _fail(path, f"tensor {name!r}: data ends at byte {offs[1]} but the file holds {data_len} data bytes (truncated)")
+        expect = math.prod(shape) * DTYPES[dtype][1]
+        if offs[1] - offs[0] != expect:
+            raise _fail(path, f"tensor {name!r}: {offs[1] - offs[0]} bytes do not match dtype {dtype} and shape {shape} ({expect} bytes)")
+        entries.append(TensorEntry(name, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]))
+    entries.sort(key=lambda e: (e.start, e.end))
+    prev = None
+    for e in entries:
+        if prev is not None and e.start < prev.end and e.nbytes and prev.nbytes:
+            raise _fail(path, f"tensors {prev.name!r} and {e.name!r} overlap in the data section")
+        if e.nbytes:
+            prev = e
+    return Header(path, n, {e.name: e for e in entries}, metadata, size)
+
+
+class ShardReader:
+    """Reads the tensors of one validated shard, in file order, hashing every byte it reads.
+
+    ``sha256`` covers the whole file once all tensors were read in order with
+    :meth:`iter_tensors` (gaps and the header included), so input checksums cost no second pass.
+    """
+
+    def __init__(self, header: Header, hash_file: bool = True):
+        self.header = header
+        self._f = open(header.path, "rb", buffering=0)
+        self._hash = hashlib.sha256() if hash_file else None
+        self._pos = 0
+        self._hashed_to = 0
+
+    def close(self):
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _read_into(self, buf: memoryview, start: int, name: str):
+        self._f.seek(start)
+        got = 0
+        while got < len(buf):
+            n = self._f.readinto(buf[got:])
+            if not n:
+                raise _fail(self.header.path, f"tensor {name!r}: unexpected end of file while reading (truncated?)")
+            got += n
+
+    def _hash_gap(self, upto: int):
+        if self._hash is None or upto <= self._hashed_to:
+            return
+        self._f.seek(self._hashed_to)
+        left = upto - self._hashed_to
+        while left:
+            chunk = self._f.read(min(left, 1 << 24))
+            if not chunk:
+                raise _fail(self.header.path, "unexpected end of file (truncated?)")
+            self._hash.update(chunk)
+            left -= len(chunk)
+        self._hashed_to = upto
+
+    def read(self, name: str) -> torch.Tensor:
+        e = self.header.entries[name]
+        dtype, _ = DTYPES[e.dtype]
+        t = torch.empty(e.shape, dtype=dtype)
+        if e.nbytes:
+            buf = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+            self._read_into(buf, e.start, name)
+            if self._hash is not None and e.start == self._hashed_to:
+                self._hash.update(buf)
+                self._hashed_to = e.end
+        return t
+
+    def iter_tensors(self):
+        """Yield (entry, tensor) in file order; afterwards :meth:`sha256` is the file's digest."""
+        for e in self.header.entries.values():
+            self._hash_gap(e.start)
+            yield e, self.read(e.name)
+
+    def sha256(self) -> str | None:
+        if self._hash is None:
+            return None
+        self._hash_gap(self.header.file_size)
+        return self._hash.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class ShardWriter:
+    """Writes one safetensors file whose header is fixed up front; tensors arrive in any order."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        off = 0
+        self._specs = {}
+        for name, dtype, shape in specs:
+            if dtype not in TORCH_TO_TAG:
+                raise OutputError(f"{self.path}: tensor {name!r} has dtype {dtype} that safetensors cannot store")
+            nbytes = math.prod(shape) * DTYPES[TORCH_TO_TAG[dtype]][1]
+            header[name] = {"dtype": TORCH_TO_TAG[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            self._specs[name] = (dtype, tuple(shape), off, nbytes)
+            off += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw)) % ALIGN)
+        self._data_start = 8 + len(raw)
+        self.size = self._data_start + off
+        self._pending = set(self._specs)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions") from None
+
+    @property
+    def names(self):
+        return list(self._specs)
+
+    def write(self, name: str, t: torch.Tensor):
+        dtype, shape, off, nbytes = self._specs[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise AssertionError(f"internal: {name} planned {dtype}{list(shape)} got {t.dtype}{list(t.shape)}")
+        buf = tensor_bytes(t)
+        pos = self._data_start + off
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(self._fd, buf[done:], pos + done)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot write tensor {name!r} ({e.strerror}); check free space") from None
+        self._pending.discard(name)
+
+    @property
+    def complete(self) -> bool:
+        return not self._pending
+
+    def close(self, fsync: bool = True):
+        if self._pending:
+            missing = sorted(self._pending)[:3]
+            raise AssertionError(f"internal: {self.path} closed with unwritten tensors {missing}")
+        try:
+            if fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot write ({e.strerror}); check free space") from None
+        finally:
+            os.close(self._fd)
+
+    def abort(self):
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
