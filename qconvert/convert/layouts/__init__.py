@@ -1,0 +1,1 @@
+"""Kernel-ready expert layouts. ``trtllm``: FlashInfer TRT-LLM MoE (vLLM, SGLang)."""
