@@ -1,0 +1,493 @@
+"""Shared-memory staging area: ``/dev/shm/qconvert/NAME`` (RAM-backed), read by servers as a checkpoint.
+
+Layout of a staging area (directory mode 0700, every file mode 0600, owned by the caller):
+
+* ``gNNNNN-KK.safetensors``: standard safetensors shards, one *group* (a decoder layer, or the
+  tensors outside layers) per ``gNNNNN``; every tensor of a layer is in the same group and the
+  groups are in layer order, so engines that load layer by layer (vLLM layerwise reload) hold one
+  layer at a time. Every tensor's data starts at a file offset that is a multiple of 256: the
+  header is padded with spaces (allowed by the format) and, because safetensors forbids gaps
+  between tensors, a shard holds all tensors whose size is a multiple of 256 followed by at most
+  one tensor that is not (further ones get their own shard ``KK``).
+* ``model.safetensors.index.json``: the usual index; ``config.json`` and tokenizer files copied.
+* ``qconvert-staging.json``: the manifest: per-file size and SHA-256, per-tensor file/offset/dtype/
+  shape, the *layout contract* (architecture, ``quantization_config``, digest of the tensor names,
+  dtypes and shapes) and ``manifest_sha256`` over all of that.
+
+An area is built in a hidden temporary directory and renamed into place when complete, so a
+half-written area never looks complete. :func:`open_area` refuses an area whose manifest checksum,
+file checksums, permissions, alignment or (when given) layout contract do not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from qconvert.errors import QConvertError
+
+ALIGN = 256
+MANIFEST = "qconvert-staging.json"
+INDEX = "model.safetensors.index.json"
+FORMAT = "qconvert-staging/1"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: Files copied from a checkpoint next to the shards (small, non-weight).
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+_SKIP_FILES = {INDEX, MANIFEST}
+
+
+class StagingError(QConvertError):
+    """A staging area is missing, corrupt, unsafe or does not match the expected layout."""
+
+
+def staging_root() -> Path:
+    """``$QCONVERT_SHM_ROOT`` or ``/dev/shm/qconvert``."""
+    return Path(os.environ.get("QCONVERT_SHM_ROOT", "/dev/shm/qconvert"))
+
+
+def _check_name(name: str) -> None:
+    if not NAME_RE.match(name):
+        raise StagingError(
+            f"staging name {name!r} is invalid; use letters, digits, '.', '_' or '-' (max 128, "
+            "not starting with a dot)"
+        )
+
+
+# ----------------------------------------------------------------------------- dtypes, contract
+
+_TAG_TO_TORCH: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8,
+    "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _TAG_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
+_TORCH_TO_TAG = {v: k for k, v in _TAG_TO_TORCH.items()}
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    try:
+        return _TORCH_TO_TAG[dtype]
+    except KeyError:
+        raise StagingError(f"dtype {dtype} cannot be staged as safetensors") from None
+
+
+def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int]]]) -> dict:
+    """What must be identical between the serving checkpoint and every reloaded one.
+
+    ``tensors``: (name, safetensors dtype tag, shape). Weights may differ; names, dtypes, shapes,
+    architecture and quantization config may not.
+    """
+    lines = sorted(f"{n}|{d}|{','.join(str(int(s)) for s in shape)}" for n, d, shape in tensors)
+    return {
+        "architectures": list(config.get("architectures") or []),
+        "model_type": config.get("model_type"),
+        "quantization_config": config.get("quantization_config"),
+        "num_tensors": len(lines),
+        "tensors_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+    }
+
+
+def contract_mismatch(have: dict, want: dict) -> list[str]:
+    """Keys on which two layout contracts differ (empty when they match)."""
+    return sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+
+
+def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
+    """Layout contract of a checkpoint directory (reads only config.json and shard headers)."""
+    from qconvert.convert.safetensors_io import read_header
+
+    root = Path(ckpt)
+    config = _read_config(root)
+    tensors = []
+    for shard in _shards(root):
+        for e in read_header(shard).entries.values():
+            tensors.append((e.name, e.dtype, e.shape))
+    return layout_contract(config, tensors)
+
+
+def _read_config(root: Path) -> dict:
+    try:
+        return json.loads((root / "config.json").read_text())
+    except FileNotFoundError:
+        raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StagingError(f"{root}/config.json: not valid JSON ({e}); fix or re-export it") from None
+
+
+def _shards(root: Path) -> list[Path]:
+    index = root / INDEX
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise StagingError(f"{index}: unreadable index ({e}); fix or re-export it") from None
+        names = sorted(set(wm.values()))
+        out = []
+        for n in names:
+            p = (root / n).resolve()
+            if root.resolve() not in p.parents:
+                raise StagingError(f"{index}: shard {n!r} lies outside the checkpoint; refusing it")
+            out.append(p)
+        return out
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise StagingError(f"{root}: no .safetensors files; pass a safetensors checkpoint directory")
+    return shards
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def group_key(name: str) -> tuple[int, int]:
+    """Sort key of a tensor's group: embeddings, then layers in order, then the rest."""
+    layer = layer_of(name)
+    if layer is not None:
+        return (1, layer)
+    return (0, 0) if "embed" in name else (2, 0)
+
+
+def _pack(sizes: list[tuple[str, int]]) -> list[list[str]]:
+    """Split one group's tensors into shards in which every tensor starts 256-aligned."""
+    even = [n for n, s in sizes if s % ALIGN == 0]
+    odd = [n for n, s in sizes if s % ALIGN != 0]
+    files = [even + odd[:1]] if (even or odd) else []
+    files += [[n] for n in odd[1:]]
+    return files
+
+
+def _header_bytes(specs: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
+    """safetensors header for (name, tag, shape, nbytes) in order, padded so data starts at 256."""
+    hdr: dict = {"__metadata__": {"format": "pt", "qconvert": FORMAT}}
+    offsets, off = [], 0
+    for name, tag, shape, nbytes in specs:
+        hdr[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        offsets.append(off)
+        off += nbytes
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    raw += b" " * ((-(8 + len(raw))) % ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def _open_private(path: Path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+class StagingWriter:
+    """Builds a staging area group by group; :meth:`commit` makes it visible atomically.
+
+    Use as a context manager: an exception removes the partial area.
+    """
+
+    def __init__(self, name: str, *, root: Path | None = None, source: str = "",
+                 config: dict | None = None, replace: bool = True):
+        _check_name(name)
+        self.name = name
+        self.root = Path(root) if root is not None else staging_root()
+        self.final = self.root / name
+        if self.final.exists() and not replace:
+            raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage --drop {name}`")
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.tmp = self.root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        os.mkdir(self.tmp, 0o700)
+        os.chmod(self.tmp, 0o700)
+        self.source = source
+        self.config = config
+        self.files: dict[str, dict] = {}
+        self.tensors: dict[str, dict] = {}
+        self.weight_map: dict[str, str] = {}
+        self._groups: dict[tuple[int, int], int] = {}
+        self._committed = False
+
+    # context manager: drop partial area on error
+    def __enter__(self) -> "StagingWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._committed:
+            self.abort()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def add_file(self, rel: str, data: bytes) -> None:
+        """A small non-weight file (config.json, tokenizer...)."""
+        p = self.tmp / rel
+        with _open_private(p) as f:
+            f.write(data)
+        self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def add_group(self, tensors: list[tuple[str, str, tuple[int, ...], object]]) -> None:
+        """Write one group: (name, dtype tag, shape, data) where data is a torch.Tensor or bytes-like.
+
+        All tensors of a decoder layer must be passed in one call.
+        """
+        if not tensors:
+            return
+        keys = {group_key(n) for n, *_ in tensors}
+        if len(keys) != 1:
+            raise StagingError(f"one group must hold one layer, got tensors of {sorted(keys)}")
+        key = keys.pop()
+        if key in self._groups:
+            raise StagingError(f"group {key} staged twice; pass every tensor of a layer together")
+        gidx = len(self._groups)
+        self._groups[key] = gidx
+        by_name = {}
+        for name, tag, shape, data in tensors:
+            if name in self.tensors or name in by_name:
+                raise StagingError(f"tensor {name!r} staged twice")
+            buf = _tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+            want = math.prod(shape) * torch.empty((), dtype=_TAG_TO_TORCH[tag]).element_size()
+            if buf.nbytes != want:
+                raise StagingError(f"tensor {name!r}: {buf.nbytes} bytes do not match {tag} {list(shape)}")
+            by_name[name] = (tag, tuple(int(s) for s in shape), buf)
+        for k, names in enumerate(_pack([(n, by_name[n][2].nbytes) for n in by_name])):
+            fname = f"g{gidx:05d}-{k:02d}.safetensors"
+            specs = [(n, by_name[n][0], by_name[n][1], by_name[n][2].nbytes) for n in names]
+            head, offs = _header_bytes(specs)
+            h = hashlib.sha256(head)
+            with _open_private(self.tmp / fname) as f:
+                f.write(head)
+                for n, off in zip(names, offs):
+                    buf = by_name[n][2]
+                    f.write(buf)
+                    h.update(buf)
+                    tag, shape, _ = by_name[n]
+                    self.tensors[n] = {"file": fname, "offset": len(head) + off, "nbytes": buf.nbytes,
+                                       "dtype": tag, "shape": list(shape), "group": gidx}
+                    self.weight_map[n] = fname
+                size = f.tell()
+            self.files[fname] = {"size": size, "sha256": h.hexdigest()}
+
+    def commit(self) -> "StagingArea":
+        if self.config is None:
+            raise StagingError("staging needs the checkpoint's config.json")
+        contract = layout_contract(self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()))
+        if "config.json" not in self.files:
+            self.add_file("config.json", json.dumps(self.config, indent=2).encode())
+        total = sum(t["nbytes"] for t in self.tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        self.add_file(INDEX, json.dumps(index, indent=2).encode())
+        body = {
+            "format": FORMAT,
+            "name": self.name,
+            "source": self.source,
+            "created": time.time(),
+            "alignment": ALIGN,
+            "contract": contract,
+            "files": dict(sorted(self.files.items())),
+            "tensors": dict(sorted(self.tensors.items())),
+        }
+        manifest = dict(body, manifest_sha256=_manifest_digest(body))
+        with _open_private(self.tmp / MANIFEST) as f:
+            f.write(json.dumps(manifest, indent=1).encode())
+        old = None
+        if self.final.exists():
+            old = self.root / f".{self.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.final, old)
+        os.rename(self.tmp, self.final)
+        self._committed = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return StagingArea(self.final, manifest)
+
+
+def _manifest_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":
+    """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
+    from qconvert.convert.safetensors_io import read_header
+
+    src = Path(ckpt)
+    if not src.is_dir():
+        raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
+    config = _read_config(src)
+    headers = [read_header(p) for p in _shards(src)]
+    where: dict[str, tuple] = {}
+    for h in headers:
+        for e in h.entries.values():
+            if e.name in where:
+                raise StagingError(f"{src}: tensor {e.name!r} is in two shards; fix the checkpoint")
+            where[e.name] = (h.path, e)
+    groups: dict[tuple[int, int], list[str]] = {}
+    for n in where:
+        groups.setdefault(group_key(n), []).append(n)
+    with StagingWriter(name, root=root, source=str(src.resolve()), config=config) as w:
+        fds: dict[Path, int] = {}
+        try:
+            for key in sorted(groups):
+                batch = []
+                for n in sorted(groups[key]):
+                    path, e = where[n]
+                    fd = fds.get(path)
+                    if fd is None:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    data = os.pread(fd, e.nbytes, e.start)
+                    if len(data) != e.nbytes:
+                        raise StagingError(f"{path}: tensor {n!r} is truncated; re-export the checkpoint")
+                    batch.append((n, e.dtype, e.shape, data))
+                w.add_group(batch)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        for p in sorted(src.iterdir()):
+            if p.is_file() and p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES:
+                w.add_file(p.name, p.read_bytes())
+        return w.commit()
+
+
+# ----------------------------------------------------------------------------- reader / checks
+
+
+@dataclass
+class StagingArea:
+    path: Path
+    manifest: dict
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def contract(self) -> dict:
+        return self.manifest["contract"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f["size"] for f in self.manifest["files"].values())
+
+    def check_contract(self, expected: dict | None, what: str = "the serving checkpoint") -> None:
+        if expected is None:
+            return
+        diff = contract_mismatch(self.contract, expected)
+        if diff:
+            raise StagingError(
+                f"staging area {self.path}: layout contract differs from {what} in {', '.join(diff)}; "
+                "restage from a checkpoint converted with the same options as the one the server runs"
+            )
+
+
+def open_area(name: str, *, root: Path | None = None, expected_contract: dict | None = None,
+              verify_data: bool = True) -> StagingArea:
+    """Open and check a staging area; refuse it on any mismatch (see module docstring)."""
+    _check_name(name)
+    path = (Path(root) if root is not None else staging_root()) / name
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage CKPT {name}`")
+    _check_private(path, is_dir=True)
+    _check_private(mpath)
+    try:
+        manifest = json.loads(mpath.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise StagingError(f"{mpath}: not valid JSON; drop and restage {name}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StagingError(f"{mpath}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
+                           f"restage {name} with this qconvert")
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    if manifest.get("manifest_sha256") != _manifest_digest(body):
+        raise StagingError(f"{mpath}: manifest checksum mismatch (edited or corrupt); drop and restage {name}")
+    on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
+    listed = set(manifest["files"])
+    if on_disk != listed:
+        extra, missing = sorted(on_disk - listed), sorted(listed - on_disk)
+        raise StagingError(f"staging area {path}: files differ from the manifest (extra {extra}, missing {missing}); "
+                           f"drop and restage {name}")
+    for t, spec in manifest["tensors"].items():
+        if spec["offset"] % manifest.get("alignment", ALIGN) or spec["offset"] % ALIGN:
+            raise StagingError(f"staging area {path}: tensor {t!r} is not {ALIGN}-byte aligned; restage {name}")
+    for fname, spec in manifest["files"].items():
+        fp = path / fname
+        _check_private(fp)
+        if fp.stat().st_size != spec["size"]:
+            raise StagingError(f"{fp}: size {fp.stat().st_size} != manifest {spec['size']} (truncated?); restage {name}")
+        if verify_data and _sha256_file(fp) != spec["sha256"]:
+            raise StagingError(f"{fp}: checksum mismatch with the manifest (modified or corrupt); restage {name}")
+    area = StagingArea(path, manifest)
+    area.check_contract(expected_contract)
+    return area
+
+
+def _check_private(p: Path, is_dir: bool = False) -> None:
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        raise StagingError(f"{p}: is a symlink; staging areas hold plain files only; drop and restage")
+    if st.st_uid != os.getuid():
+        raise StagingError(f"{p}: owned by uid {st.st_uid}, not you; refusing it")
+    want = 0o700 if is_dir else 0o600
+    if stat.S_IMODE(st.st_mode) != want:
+        raise StagingError(f"{p}: mode {oct(stat.S_IMODE(st.st_mode))}, expected {oct(want)}; "
+                           "another user may have changed it; drop and restage")
+
+
+def _sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_areas(root: Path | None = None) -> list[dict]:
+    """Staging areas under the root: name, size, source, created, ok (manifest checksum only)."""
+    r = Path(root) if root is not None else staging_root()
+    out = []
+    if not r.is_dir():
+        return out
+    for p in sorted(r.iterdir()):
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        try:
+            a = open_area(p.name, root=r, verify_data=False)
+            out.append({"name": p.name, "bytes": a.nbytes, "source": a.manifest.get("source", ""),
+                        "created": a.manifest.get("created"), "ok": True, "problem": ""})
+        except QConvertError as e:
+            out.append({"name": p.name, "bytes": None, "source": "", "created": None, "ok": False,
+                        "problem": str(e)})
+    return out
+
+
+def drop_area(name: str, root: Path | None = None) -> bool:
+    """Remove a staging area (and stale temporaries of it). Returns whether it existed."""
+    _check_name(name)
+    r = Path(root) if root is not None else staging_root()
+    existed = (r / name).exists()
+    if existed:
+        shutil.rmtree(r / name)
+    if r.is_dir():
+        for p in r.iterdir():
+            if p.name.startswith(f".{name}.tmp-") or p.name.startswith(f".{name}.old-"):
+                shutil.rmtree(p, ignore_errors=True)
+    return existed
