@@ -279,6 +279,13 @@ def sglang_dotted_excluded(prefix: str, entries: list[str]) -> bool:
     return False
 
 
+VLLM_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def vllm_substring_excluded(prefix: str, entries: list[str]) -> bool:
-    """vLLM ModelOpt-style rule: exact, plain substring, or fnmatch (formats.md §6.3)."""
+    """vLLM ModelOpt-style rule on a vLLM module prefix (formats.md §6.3): exact (a fused module is
+    excluded when its shards are listed), plain substring anywhere, or fnmatch."""
+    parent, _, last = prefix.rpartition(".")
+    if last in VLLM_PACKED and all(f"{parent}.{s}" in entries for s in VLLM_PACKED[last]):
+        return True
     return any(prefix == e or e in prefix or fnmatch.fnmatchcase(prefix, e) for e in entries)
