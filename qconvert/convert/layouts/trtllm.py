@@ -661,3 +661,157 @@ def check_layout_contract(stored: dict, expected: dict, where: str = "checkpoint
                 f"{where}: layout contract {k}={stored.get(k)!r} but the loader expects "
                 f"{expected.get(k)!r}; re-run qconvert with matching --engine/--tp/--ep"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming-pipeline API: one MoE layer in, all ranks out
+# ---------------------------------------------------------------------------------------------
+
+#: HF per-expert projection -> (fused plain tensor, half) ; half None = W2
+_HF_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+#: HF tensor suffix -> plain suffix; scale suffixes of the dialects (formats.md)
+_HF_SUFFIX = {
+    "weight": "weight",
+    "weight_scale": "weight_scale",
+    "weight_scale_inv": "weight_scale",  # MXFP8 dialect A (SGLang/miles): E8M0 bytes
+    "weight_scale_2": "weight_scale_2",
+    "input_scale": "input_scale",
+}
+
+
+def stack_hf_experts(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Stack per-expert HF tensors ``{prefix}.{e}.{gate,up,down}_proj.{suffix}`` of one layer.
+
+    ``prefix`` is e.g. ``model.layers.3.mlp.experts``. Suffixes: ``weight``,
+    ``weight_scale`` or ``weight_scale_inv`` (block scales, linear), ``weight_scale_2`` and
+    ``input_scale`` (NVFP4 per-tensor scalars). Returns the plain names of this module's
+    docstring (``w13_weight`` = ``[gate; up]``, ``w13_weight_scale_2`` [E, 2] ...).
+    Raises :class:`LayoutError` if an expert or projection is missing.
+    """
+    found: dict[tuple[str, str], dict[int, list]] = {}
+    head = prefix + "."
+    for name, t in tensors.items():
+        if not name.startswith(head):
+            continue
+        parts = name[len(head):].split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _HF_PROJ or parts[2] not in _HF_SUFFIX:
+            raise LayoutError(f"{name}: not an expert tensor of the form {prefix}.<e>.<proj>.<suffix>")
+        e, (fused, half), suffix = int(parts[0]), _HF_PROJ[parts[1]], _HF_SUFFIX[parts[2]]
+        slot = found.setdefault((fused, suffix), {}).setdefault(e, [None, None])
+        slot[0 if half is None else half] = t
+    if not found:
+        raise LayoutError(f"no expert tensors under {prefix}")
+    out: dict[str, torch.Tensor] = {}
+    for (fused, suffix), per_e in sorted(found.items()):
+        n = max(per_e) + 1
+        rows = []
+        for e in range(n):
+            slot = per_e.get(e)
+            need = 1 if fused == "w2" else 2
+            if slot is None or any(x is None for x in slot[:need]):
+                raise LayoutError(f"{prefix}.{e}: {fused} {suffix} is missing a projection")
+            if fused == "w2":
+                rows.append(slot[0])
+            elif suffix in ("weight", "weight_scale"):
+                rows.append(torch.cat([slot[0], slot[1]], dim=0))
+            else:  # per-tensor scalars of gate and up: [2]
+                rows.append(torch.stack([slot[0].reshape(()), slot[1].reshape(())]))
+        out[f"{fused}_{suffix}"] = torch.stack(rows)
+    if "w2_weight_scale_2" in out:
+        out["w2_weight_scale_2"] = out["w2_weight_scale_2"].reshape(-1)
+    if "w2_input_scale" in out:
+        out["w2_input_scale"] = out["w2_input_scale"].reshape(-1)
+    return out
+
+
+def unstack_hf_experts(
+    plain: dict[str, torch.Tensor], prefix: str, scale_suffix: str = "weight_scale"
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`stack_hf_experts` (block scales written as ``scale_suffix``)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in plain.items():
+        fused, suffix = key.split("_", 1)
+        hf_suffix = scale_suffix if suffix == "weight_scale" else suffix
+        for e in range(t.shape[0]):
+            if fused == "w2":
+                out[f"{prefix}.{e}.down_proj.{hf_suffix}"] = t[e].clone()
+            elif suffix in ("weight", "weight_scale"):
+                half = t.shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.{hf_suffix}"] = t[e, :half].clone()
+                out[f"{prefix}.{e}.up_proj.{hf_suffix}"] = t[e, half:].clone()
+            else:
+                v = t[e].reshape(-1)
+                gate, up = (v[0], v[1]) if v.numel() == 2 else (v[0], v[0])
+                out[f"{prefix}.{e}.gate_proj.{hf_suffix}"] = gate.clone()
+                out[f"{prefix}.{e}.up_proj.{hf_suffix}"] = up.clone()
+    return out
+
+
+def transform_moe_layer(
+    plain: dict[str, torch.Tensor],
+    scheme: str,
+    engine: str,
+    tp: int = 1,
+    ep: int = 1,
+    **kwargs,
+) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """All ranks of one layer: ``{(tp_rank, ep_rank): {param_name: tensor}}``.
+
+    ``plain`` holds the stacked names of this module's docstring (``stack_hf_experts`` output,
+    or vLLM-style fused tensors). Param names are relative to the FusedMoE module; prefix
+    them with e.g. ``model.layers.3.mlp.experts.`` when writing. Each rank is transformed from
+    its own slice (engines pad per rank), one gather per tensor kind. ``kwargs`` go to
+    :func:`to_trtllm` (``w13_order``, ``padding``, ``scale_name``, ``zero_scale_byte``).
+    """
+    args = dict(
+        w13=plain["w13_weight"],
+        w2=plain["w2_weight"],
+        w13_scale=plain.get("w13_weight_scale"),
+        w2_scale=plain.get("w2_weight_scale"),
+        w13_weight_scale_2=plain.get("w13_weight_scale_2"),
+        w2_weight_scale_2=plain.get("w2_weight_scale_2"),
+        w13_input_scale=plain.get("w13_input_scale"),
+        w2_input_scale=plain.get("w2_input_scale"),
+    )
+    return {
+        (r, q): to_trtllm(scheme, engine, **args, tp=tp, tp_rank=r, ep=ep, ep_rank=q, **kwargs)
+        for q in range(ep)
+        for r in range(tp)
+    }
+
+
+def untransform_moe_layer(
+    ranks: dict[tuple[int, int], dict[str, torch.Tensor]],
+    scheme: str,
+    engine: str,
+    *,
+    intermediate_size: int,
+    hidden_size: int,
+    tp: int = 1,
+    ep: int = 1,
+    **kwargs,
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`transform_moe_layer`: the plain stacked tensors of the whole layer
+    (NVFP4 scalars only where the engine keeps them: SGLang)."""
+    per_ep = []
+    for q in range(ep):
+        parts = [
+            from_trtllm(
+                scheme, engine, ranks[(r, q)], intermediate_size=intermediate_size,
+                hidden_size=hidden_size, tp=tp, **kwargs,
+            )
+            for r in range(tp)
+        ]
+        merged: dict[str, torch.Tensor] = {}
+        for k in parts[0]:
+            if k in ("w13_weight", "w13_weight_scale"):
+                halves = [p[k].shape[1] // 2 for p in parts]
+                gate = torch.cat([p[k][:, :n] for p, n in zip(parts, halves)], dim=1)
+                up = torch.cat([p[k][:, n:] for p, n in zip(parts, halves)], dim=1)
+                merged[k] = torch.cat([gate, up], dim=1)
+            elif k in ("w2_weight", "w2_weight_scale"):
+                merged[k] = torch.cat([p[k] for p in parts], dim=2)
+            else:
+                merged[k] = parts[0][k]
+        per_ep.append(merged)
+    return {k: torch.cat([m[k] for m in per_ep], dim=0) for k in per_ep[0]}
