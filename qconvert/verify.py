@@ -1,0 +1,643 @@
+"""``qconvert verify SRC DST``: is DST what it claims to be, and does it decode back to SRC?
+
+Checks, each reported with the file or tensor it concerns and the fix:
+
+* structure: every source tensor is in DST, either byte-identical (kept) or as the tensors the
+  detected format and dialect require (names, dtypes, shapes per formats.md §1, §4, §5); no
+  unexpected tensors; config.json equal to the source's apart from ``quantization_config``;
+  index consistent with the shards;
+* exclusion list: every BF16-kept Linear module is excluded, and no quantized one is, under the
+  matching rules of each engine that reads this dialect (formats.md §6.3); the copies of the list
+  (``ignored_layers`` / ``modules_to_not_convert`` / ``ignore`` / ``hf_quant_config.json`` /
+  ``qconvert.json``) agree;
+* manifest: scheme, dialect and per-module formats match the tensors; output and source sha256;
+* values: every quantized tensor is dequantized and compared with its source (relative error,
+  SQNR, and a per-block bound that any sane encoder meets, so one corrupt scale byte fails); for
+  qconvert's own MXFP8 (RCEIL) the bytes must equal a fresh quantization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import QConvertError
+from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, CheckpointFiles, Detection, Module,
+                      detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .convert.safetensors_io import DTYPES, ShardReader
+
+#: default --max-rel-err per format (relative Frobenius error of one tensor). RCEIL MXFP8 of
+#: Gaussian-like weights gives ~0.02-0.03 and NVFP4 ~0.09-0.11.
+DEFAULT_MAX_REL_ERR = {"mxfp8": 0.06, "nvfp4": 0.16}
+#: per-block bound: max |decoded - source| <= BOUND * block amax (+ ATOL). MXFP8 RCEIL meets 1/14,
+#: FLOOR (clipping at 448) 63/511; NVFP4 1/6 times (1 + 1/16) for the scale rounding.
+BLOCK_BOUND = {"mxfp8": 0.13, "nvfp4": 0.2}
+VERIFY_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was a small model that",
+    "def add(a, b):",
+    "MXFP8 stores eight-bit floating point elements with",
+]
+
+
+@dataclass
+class TensorResult:
+    module: str
+    format: str
+    shape: list[int]
+    rel_err: float
+    sqnr_db: float
+    block_err: float  # worst max|err| / (bound * amax + atol) over blocks; > 1 fails
+    exact: bool | None = None  # bytes equal a fresh quantization (None: not checked)
+    ok: bool = True
+
+
+@dataclass
+class VerifyReport:
+    src: str
+    dst: str
+    scheme: str = "unknown"
+    dialect: str = "unknown"
+    failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    checks: dict[str, str] = field(default_factory=dict)  # check name -> "ok" | "FAILED" | "skipped: ..."
+    tensors: list[TensorResult] = field(default_factory=list)
+    kept_identical: int = 0
+    kept_bytes: int = 0
+    max_rel_err: dict[str, float] = field(default_factory=dict)
+    engine: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def worst(self, n: int = 5) -> list[TensorResult]:
+        return sorted(self.tensors, key=lambda t: -t.rel_err if math.isfinite(t.rel_err) else -1e30)[:n]
+
+    def groups(self) -> dict[str, dict]:
+        """Error summary per module group: layer and expert indices replaced by ``*``."""
+        out: dict[str, dict] = {}
+        for t in self.tensors:
+            g = re.sub(r"\.\d+\.", ".*.", t.module)
+            d = out.setdefault(g, {"format": t.format, "count": 0, "mean_rel_err": 0.0, "max_rel_err": 0.0,
+                                   "min_sqnr_db": math.inf, "worst": t.module})
+            d["count"] += 1
+            d["mean_rel_err"] += t.rel_err
+            if t.rel_err >= d["max_rel_err"]:
+                d["max_rel_err"], d["worst"] = t.rel_err, t.module
+            d["min_sqnr_db"] = min(d["min_sqnr_db"], t.sqnr_db)
+        for d in out.values():
+            d["mean_rel_err"] /= d["count"]
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["groups"] = self.groups()
+        d["worst"] = [t.module for t in self.worst()]
+        return d
+
+
+# ---- exclusion-list matchers (formats.md §6.3) --------------------------------------------------
+
+def _sglang_modelopt_excluded(prefix: str, entries: list[str], fused_moe: bool) -> bool:
+    """SGLang ModelOpt: Linear uses the dotted rule or ``is_layer_excluded``; FusedMoE only the latter."""
+    from .convert.plan import sglang_dotted_excluded
+
+    for e in entries:
+        rx = re.compile(re.escape(e).replace(r"\*", ".*"))
+        if rx.fullmatch(prefix) or any(rx.fullmatch(part) for part in prefix.split(".")):
+            return True
+    return False if fused_moe else sglang_dotted_excluded(prefix, entries)
+
+
+def _ct_excluded(prefix: str, entries: list[str]) -> bool:
+    for e in entries:
+        if e.startswith("re:"):
+            try:
+                if re.match(e[3:], prefix):
+                    return True
+            except re.error:
+                continue
+        elif e == prefix:
+            return True
+    return False
+
+
+def matchers(scheme: str, dialect: str) -> list[tuple[str, Callable[[str, list[str], bool], bool]]]:
+    """(consumer name, excluded(prefix, entries, is_fused_moe)) for each engine reading this dialect."""
+    from .convert.plan import sglang_dotted_excluded, vllm_substring_excluded
+
+    sgl = ("SGLang", lambda p, e, moe: sglang_dotted_excluded(p, e))
+    vll = ("vLLM", lambda p, e, moe: vllm_substring_excluded(p, e))
+    if dialect == "compressed-tensors":
+        return [("compressed-tensors (vLLM/SGLang)", lambda p, e, moe: _ct_excluded(p, e))]
+    if (scheme, dialect) == ("mxfp8", "auto"):
+        return [sgl, vll]
+    if (scheme, dialect) == ("mxfp8", "sglang"):
+        return [sgl]
+    if (scheme, dialect) == ("mxfp8", "flat"):
+        return [vll]
+    if (scheme, dialect) == ("mxfp8", "modelopt"):
+        return [vll, sgl]  # SGLang translates ModelOpt MXFP8 into Fp8Config (dotted rule)
+    if dialect == "modelopt":
+        return [vll, ("SGLang ModelOpt", _sglang_modelopt_excluded)]
+    return [vll, sgl]
+
+
+# ---- numerics -----------------------------------------------------------------------------------
+
+def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    try:
+        from .convert.numerics.nvfp4 import nvfp4_dequantize
+    except ImportError:  # numerics not present in this build: decode here (formats.md §5.1)
+        lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1).long()
+        vals = lut[codes].reshape(*codes.shape[:-1], -1, 16)
+        return (vals * (scale.float() * scale_2.float().reshape(())).unsqueeze(-1)).reshape(codes.shape)
+    return nvfp4_dequantize(packed, scale, scale_2)
+
+
+def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 decoded weight, decode-convention global scale or None)."""
+    if fmt == "mxfp8":
+        from .convert.numerics.mxfp8 import mxfp8_dequantize
+        s = ts[m.scale_suffix]
+        if s.dtype != torch.uint8:
+            s = s.view(torch.uint8)
+        return mxfp8_dequantize(ts["weight"], s), None
+    if fmt == "nvfp4":
+        packed = ts.get("weight_packed", ts.get("weight"))
+        if "weight_scale_2" in ts:
+            s2 = ts["weight_scale_2"].float().reshape(-1)[0]
+        else:
+            s2 = 1.0 / ts["weight_global_scale"].float().reshape(-1)[0]
+        return _nvfp4_dequantize(packed, ts["weight_scale"], s2), s2
+    raise QConvertError(f"tensor {m.name!r}: format {fmt} cannot be dequantized by verify")
+
+
+def compare(x: torch.Tensor, deq: torch.Tensor, fmt: str, scale_2=None) -> tuple[float, float, float, tuple | None]:
+    """(relative error, SQNR dB, worst block ratio, first failing block (row, block) or None)."""
+    x = x.float()
+    err = deq - x
+    xn = float(x.double().pow(2).sum())
+    en = float(err.double().pow(2).sum()) if bool(torch.isfinite(deq).all()) else math.inf
+    rel = math.sqrt(en / xn) if xn > 0 else (0.0 if en == 0 else math.inf)
+    sqnr = 10 * math.log10(xn / en) if en > 0 and xn > 0 else (math.inf if en == 0 else -math.inf)
+    blk = 32 if fmt == "mxfp8" else 16
+    k = x.shape[-1]
+    xb = x.reshape(-1, k // blk, blk)
+    eb = err.reshape(-1, k // blk, blk).abs().amax(-1)
+    amax = xb.abs().amax(-1)
+    atol = 1e-30 if fmt == "mxfp8" else 6 * 2.0**-6 * float(scale_2 if scale_2 is not None else 0)
+    ratio = eb / (BLOCK_BOUND[fmt] * amax + max(atol, 1e-30))
+    ratio = torch.nan_to_num(ratio, nan=math.inf)
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    first = None
+    if worst > 1:
+        idx = int(torch.nonzero(ratio.reshape(-1) > 1)[0])
+        first = (idx // ratio.shape[1], idx % ratio.shape[1])
+    return rel, sqnr, worst, first
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _expected(fmt: str, dialect: str, m: Module, n: int, k: int) -> dict[str, tuple[set, list | None]]:
+    """suffix -> (allowed dtype tags, shape or None for 'scalar or [1]') of a quantized module."""
+    if fmt == "mxfp8":
+        sfx = MXFP8_SCALE_SUFFIX.get(dialect, m.scale_suffix or "weight_scale")
+        tags = {"U8"} if dialect in ("auto", "sglang") else {"U8", "F8_E8M0"}
+        return {"weight": ({"F8_E4M3"}, [n, k]), sfx: (tags, [n, k // 32])}
+    if fmt == "nvfp4" and dialect == "compressed-tensors":
+        return {"weight_packed": ({"U8"}, [n, k // 2]), "weight_scale": ({"F8_E4M3"}, [n, k // 16]),
+                "weight_global_scale": ({"F32"}, None), "input_global_scale": ({"F32"}, None),
+                "weight_shape": ({"I64", "I32"}, [2])}
+    if fmt == "nvfp4":
+        return {"weight": ({"U8"}, [n, k // 2]), "weight_scale": ({"F8_E4M3"}, [n, k // 16]),
+                "weight_scale_2": ({"F32"}, None), "input_scale": ({"F32"}, None)}
+    return {}
+
+
+_REQUIRED = {"weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale"}
+
+
+class _Verifier:
+    def __init__(self, src: str, dst: str, max_rel_err: float | None, progress: bool | None,
+                 log: Callable[[str], None]):
+        self.r = VerifyReport(str(src), str(dst))
+        self.src_arg, self.dst_arg = src, dst
+        self.user_max = max_rel_err
+        self.progress = progress
+        self.log = log
+
+    def fail(self, check: str, msg: str):
+        self.r.failures.append(msg)
+        self.r.checks[check] = "FAILED"
+
+    def ok(self, check: str, detail: str = "ok"):
+        self.r.checks.setdefault(check, detail)
+
+    # -- structure --------------------------------------------------------------------------------
+    def run(self) -> VerifyReport:
+        from .convert.checkpoint import load_checkpoint
+
+        r = self.r
+        self.dst = dst = read_checkpoint(self.dst_arg)
+        self.src = src = load_checkpoint(self.src_arg)
+        for p in dst.problems:
+            self.fail("index", p)
+        self.ok("index")
+        self.mods = modules_of(dst.tensors)
+        det = detect(dst.config, dst.hf_quant_config, dst.manifest, self.mods)
+        r.scheme, r.dialect = det.scheme, det.dialect
+        self.det = det
+        if det.scheme in ("unknown", "fp8", "fp8-block"):
+            self.fail("format", f"{dst.root / 'config.json'}: format {det.scheme} ({det.dialect}) cannot be verified; "
+                                f"{'; '.join(det.notes) or 'qconvert verifies BF16, MXFP8 and NVFP4 checkpoints'}")
+        else:
+            self.ok("format", f"{det.scheme} ({det.dialect})")
+        for n in det.notes:
+            (self.fail("format", f"{dst.root}: {n}") if "says" in n or "declares" in n else r.warnings.append(n))
+        self.log(f"verify: {self.src_arg} -> {self.dst_arg} ({det.scheme}, {det.dialect} dialect)")
+        self._check_config()
+        plan = self._match_names()
+        self._check_exclusions()
+        self._check_manifest()
+        self._compare_values(plan)
+        self._finish_thresholds()
+        return r
+
+    def _check_config(self):
+        sc, dc = self.src.config, self.dst.config
+        bad = 0
+        for k in sorted(set(sc) | set(dc)):
+            if k == "quantization_config":
+                continue
+            if sc.get(k) != dc.get(k):
+                bad += 1
+                self.fail("config", f"{self.dst.root / 'config.json'}: {k!r} is {dc.get(k)!r} but the source has "
+                                    f"{sc.get(k)!r}; copy it from the source config.json")
+        self.ok("config")
+
+    def _match_names(self) -> dict[str, tuple[str, list[str]]]:
+        """dst module -> (kind 'kept'|'quantized', source tensor names); checks names/dtypes/shapes."""
+        src_t = self.src.tensors
+        dst_t = self.dst.tensors
+        used: set[str] = set()
+        plan: dict[str, tuple[str, list[str]]] = {}
+        layouts = find_layouts(self.dst.manifest)
+        stacked = {m for m, mod in self.mods.items() if mod.stacked}
+        for name, se in src_t.items():
+            mod, sfx = split_name(name)
+            m = self.mods.get(mod)
+            if sfx == "weight" and m is not None and m.format in ("mxfp8", "nvfp4"):
+                n, k = se.shape if len(se.shape) == 2 else (None, None)
+                if n is None or list(m.shape) != [n, k]:
+                    self.fail("structure", f"tensor {mod}.*: stored as {m.format} of shape {m.shape} but the source "
+                                           f"{name} is {list(se.shape)}; re-run the conversion")
+                    used |= {f"{mod}.{s}" if not m.stacked else s for s in m.tensors}
+                    continue
+                exp = _expected(m.format, self.det.dialect, m, n, k)
+                for s, (dt, shape) in m.tensors.items():
+                    tname = f"{mod}.{s}"
+                    used.add(tname)
+                    if s not in exp:
+                        self.fail("structure", f"tensor {tname!r}: unexpected for {m.format} in the {self.det.dialect} "
+                                               f"dialect (expected {', '.join(sorted(exp))}); remove it or re-convert")
+                        continue
+                    tags, want = exp[s]
+                    scalar_ok = want is None and shape in ([], [1])
+                    if dt not in tags or not (scalar_ok or shape == want):
+                        self.fail("structure", f"tensor {tname!r}: {dt} {shape}, expected {'/'.join(sorted(tags))} "
+                                               f"{want if want is not None else '[] or [1]'}; re-run the conversion")
+                for s in exp:
+                    if s in _REQUIRED and s not in m.tensors:
+                        self.fail("structure", f"tensor {mod}.{s!s}: missing ({m.format}, {self.det.dialect} dialect "
+                                               f"needs it); re-run the conversion")
+                plan[mod] = ("quantized", [name])
+                continue
+            if name in dst_t:
+                used.add(name)
+                de = dst_t[name]
+                if de.dtype != se.dtype or tuple(de.shape) != tuple(se.shape):
+                    self.fail("structure", f"tensor {name!r}: {de.dtype} {list(de.shape)} in DST but {se.dtype} "
+                                           f"{list(se.shape)} in the source; re-run the conversion")
+                    continue
+                plan.setdefault(f"kept:{name}", ("kept", [name]))
+                continue
+            if stacked and re.search(r"\.experts\.\d+\.", name):
+                continue  # checked against the stacked layout tensors below
+            self.fail("structure", f"tensor {name!r}: in the source but not in DST; re-run the conversion")
+        if stacked:
+            msg = ("pre-shuffled expert tensors " + ", ".join(sorted(stacked)[:2]) +
+                   (f" (+{len(stacked) - 2})" if len(stacked) > 2 else "") +
+                   (f" in layout {layouts[0].get('layout')}" if layouts else " without a layout contract") +
+                   ": decoding kernel layouts is not implemented in verify; verify the plain checkpoint before "
+                   "re-laying it out")
+            self.fail("structure", msg)
+            for m in stacked:
+                used |= {n for n in dst_t if split_name(n)[0] == m}
+        for name in sorted(set(dst_t) - used):
+            self.fail("structure", f"tensor {name!r} in {self.dst.shard_of[name]}: not derived from any source tensor "
+                                   "(swapped or extra); remove it or re-run the conversion")
+        self.ok("structure", f"ok ({len(dst_t)} tensors)")
+        return plan
+
+    # -- exclusion list ---------------------------------------------------------------------------
+    def _check_exclusions(self):
+        from .convert.plan import _classify
+
+        det, dst = self.det, self.dst
+        if det.scheme not in ("mxfp8", "nvfp4"):
+            self.ok("exclusions", "skipped: not quantized")
+            return
+        lists = det.exclusion_keys
+        man = dst.manifest if det.producer == "qconvert" else None
+        if man is not None and "exclusions" in man:
+            lists = dict(lists)
+            lists[f"{MANIFEST_NAME} exclusions"] = list(man["exclusions"])
+        need = EXCLUSION_KEYS.get((det.scheme, det.dialect), ())
+        for key in need:
+            if not any(w.endswith("quantization_config." + key) for w in lists):
+                self.fail("exclusions", f"{dst.root / 'config.json'}: quantization_config.{key} is missing; the "
+                                        f"{det.dialect} dialect keeps its exclusion list there — re-run the conversion")
+        if not lists:
+            entries: list[str] = []
+        else:
+            first_where, entries = next(iter(lists.items()))
+            for where, lst in lists.items():
+                if set(lst) != set(entries):
+                    diff = sorted(set(lst) ^ set(entries))
+                    self.fail("exclusions", f"{where} differs from {first_where} (e.g. {diff[0]!r}); "
+                                            "the copies of the exclusion list must agree — re-run the conversion")
+        ms = matchers(det.scheme, det.dialect)
+        # Linear modules and their formats; experts collapse onto the FusedMoE prefix.
+        targets: dict[str, tuple[str, set[str], bool]] = {}
+        for m in self.mods.values():
+            if m.stacked or len(m.shape) != 2:
+                continue
+            kind, _, _ = _classify(m.name + ".weight", tuple(m.shape))
+            if kind in ("embed", "norm"):
+                continue
+            quant = m.format in ("mxfp8", "nvfp4")
+            if kind == "expert":
+                pre = m.name.split(".experts.")[0] + ".experts"
+                k0, fm, _ = targets.get(pre, ("expert", set(), True))
+                targets[pre] = (k0, fm | {m.format if quant else "bf16"}, True)
+            else:
+                targets[m.name] = (kind, {m.format if quant else "bf16"}, False)
+        bad = 0
+        for prefix, (kind, fmts, moe) in sorted(targets.items()):
+            if len(fmts) > 1:
+                self.fail("exclusions", f"tensor {prefix}.*: experts of one MoE layer are stored as {sorted(fmts)}; "
+                                        "a FusedMoE layer has one format — re-run the conversion")
+                continue
+            quant = next(iter(fmts)) != "bf16"
+            for who, excluded in ms:
+                hit = excluded(prefix, entries, moe)
+                if quant and hit:
+                    bad += 1
+                    self.fail("exclusions", f"module {prefix!r} is quantized but the exclusion list excludes it for "
+                                            f"{who}, which would load it as BF16; remove the matching entry")
+                elif not quant and not hit:
+                    if who.startswith("SGLang") and kind in ("lm_head", "router"):
+                        continue  # SGLang never quantizes these
+                    bad += 1
+                    self.fail("exclusions", f"module {prefix!r} is stored in BF16 but the exclusion list does not "
+                                            f"exclude it for {who}, which would try to load it quantized; add "
+                                            f"{prefix!r} to the list")
+        self.ok("exclusions", f"ok ({len(entries)} entries; {', '.join(w for w, _ in ms)} rules)")
+
+    # -- manifest ---------------------------------------------------------------------------------
+    def _check_manifest(self):
+        man = self.dst.manifest
+        if not man:
+            self.ok("manifest", f"skipped: no {MANIFEST_NAME} (not written by qconvert)")
+            return
+        where = self.dst.root / MANIFEST_NAME
+        for mod, info in (man.get("tensors") or {}).items():
+            m = self.mods.get(mod)
+            want = (info or {}).get("format")
+            if m is None:
+                self.fail("manifest", f"{where}: module {mod!r} is listed but DST has no such tensors; re-run the conversion")
+            elif want and m.format != want and not (want == "bf16" and m.format in ("bf16", "f16", "f32")):
+                self.fail("manifest", f"{where}: module {mod!r} is listed as {want} but stored as {m.format}; "
+                                      "re-run the conversion")
+        self.ok("manifest")
+
+    def _check_hashes(self, out_sha: dict[str, str]):
+        man = self.dst.manifest
+        if not man:
+            return
+        where = self.dst.root / MANIFEST_NAME
+        want = (man.get("outputs") or {}).get("sha256") or {}
+        for fname, digest in sorted(out_sha.items()):
+            if fname not in want:
+                self.fail("checksums", f"{where}: no sha256 for shard {fname}; re-run the conversion")
+            elif want[fname] != digest:
+                self.fail("checksums", f"{self.dst.root / fname}: sha256 differs from {MANIFEST_NAME}; the shard was "
+                                       "modified after conversion — re-run the conversion or restore it")
+        src_want = (man.get("source") or {}).get("sha256") or {}
+        n_src = 0
+        for h in self.src.shards:
+            if h.path.name in src_want:
+                n_src += 1
+                if _sha256(h.path) != src_want[h.path.name]:
+                    self.fail("checksums", f"{h.path}: sha256 differs from the source recorded in {MANIFEST_NAME}; "
+                                           "DST was converted from different weights — pass the right SRC")
+        self.ok("checksums", f"ok ({len(out_sha)} output, {n_src} source shards)")
+
+    # -- values -----------------------------------------------------------------------------------
+    def _compare_values(self, plan: dict[str, tuple[str, list[str]]]):
+        r = self.r
+        src_readers = {h.path.name: ShardReader(h, hash_file=False) for h in self.src.shards}
+        src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
+        by_tensor: dict[str, str] = {}
+        for key, (kind, srcs) in plan.items():
+            if kind == "kept":
+                by_tensor[srcs[0]] = key
+            else:
+                for s in self.mods[key].tensors:
+                    by_tensor[f"{key}.{s}"] = key
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        recipe = (self.dst.manifest or {}).get("recipe") if self.det.producer == "qconvert" else None
+        bar = None
+        enabled = self.progress if self.progress is not None else os.isatty(2)
+        if enabled:
+            from tqdm import tqdm
+            bar = tqdm(total=self.dst.total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="verify",
+                       leave=False, dynamic_ncols=True)
+        out_sha: dict[str, str] = {}
+        try:
+            for h in self.dst.shards:
+                with ShardReader(h, hash_file=True) as rd:
+                    for e, t in rd.iter_tensors():
+                        if bar:
+                            bar.update(e.nbytes)
+                        key = by_tensor.get(e.name)
+                        if key is None:
+                            continue
+                        kind, srcs = plan[key]
+                        if kind == "kept":
+                            s = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            r.kept_bytes += e.nbytes
+                            if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
+                                r.kept_identical += 1
+                            else:
+                                self.fail("kept", f"tensor {e.name!r} in {h.path.name}: kept in BF16 but its bytes differ "
+                                                  "from the source; re-run the conversion")
+                            continue
+                        got = pending.setdefault(key, {})
+                        got[split_name(e.name)[1]] = t
+                        if len(got) == len(self.mods[key].tensors):
+                            del pending[key]
+                            x = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            self._check_quantized(self.mods[key], got, x, recipe)
+                    out_sha[h.path.name] = rd.sha256()
+        finally:
+            if bar:
+                bar.close()
+            for rd in src_readers.values():
+                rd.close()
+        self.ok("kept", f"ok ({r.kept_identical} byte-identical)")
+        self.ok("values", f"ok ({len(r.tensors)} quantized tensors)")
+        self._check_hashes(out_sha)
+
+    def _check_quantized(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str | None):
+        fmt = m.format
+        try:
+            deq, s2 = _dequantize(fmt, self.det.dialect, ts, m)
+        except Exception as ex:  # malformed tensors already reported by the structure check
+            self.fail("values", f"tensor {m.name}.weight: cannot be decoded ({ex}); re-run the conversion")
+            return
+        rel, sqnr, worst, first = compare(x, deq, fmt, s2)
+        res = TensorResult(m.name, fmt, list(m.shape), rel, sqnr, worst)
+        if first is not None:
+            row, blk = first
+            sfx = m.scale_suffix or "weight_scale"
+            sc = ts.get(sfx)
+            sv = sc.view(torch.uint8)[row, blk].item() if sc is not None and sc.dim() == 2 else "?"
+            res.ok = False
+            self.fail("values", f"tensor {m.name}.{sfx}: block [{row}, {blk}] (scale byte {sv}) decodes with error "
+                                f"{worst * BLOCK_BOUND[fmt]:.2f}x the block max (bound {BLOCK_BOUND[fmt]}); the scale or "
+                                f"elements are corrupt or belong to another tensor — re-run the conversion")
+        if fmt == "mxfp8" and recipe == "rceil":
+            from .convert.numerics.mxfp8 import mxfp8_quantize
+            q_ref, s_ref = mxfp8_quantize(x)
+            sc = ts[m.scale_suffix].view(torch.uint8)
+            bad_s = (sc != s_ref).nonzero()
+            bad_q = (ts["weight"].view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+            res.exact = not len(bad_s) and not len(bad_q)
+            if not res.exact and res.ok:
+                res.ok = False
+                if len(bad_s):
+                    rr, cc = bad_s[0].tolist()
+                    self.fail("values", f"tensor {m.name}.{m.scale_suffix}: [{rr}, {cc}] is {int(sc[rr, cc])}, RCEIL "
+                                        f"gives {int(s_ref[rr, cc])} ({len(bad_s)} scale bytes differ); re-run the conversion")
+                else:
+                    rr, cc = bad_q[0].tolist()
+                    self.fail("values", f"tensor {m.name}.weight: element [{rr}, {cc}] differs from RCEIL quantization "
+                                        f"({len(bad_q)} elements differ); re-run the conversion")
+        self.r.tensors.append(res)
+
+    def _finish_thresholds(self):
+        r = self.r
+        for fmt in sorted({t.format for t in r.tensors}):
+            r.max_rel_err[fmt] = self.user_max if self.user_max is not None else DEFAULT_MAX_REL_ERR[fmt]
+        for t in r.tensors:
+            lim = r.max_rel_err[t.format]
+            if not t.rel_err <= lim:
+                t.ok = False
+                self.fail("values", f"tensor {t.module}.weight: relative error {t.rel_err:.4f} exceeds --max-rel-err "
+                                    f"{lim}; it does not decode to its source (corrupt or swapped) — re-run the conversion")
+
+
+def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool | None = False,
+           log: Callable[[str], None] | None = None, engine: str | None = None) -> VerifyReport:
+    """Verify checkpoint ``dst`` against its BF16 source ``src``. Never raises for a failed check:
+    failures are in ``report.failures`` (``report.ok`` is False)."""
+    v = _Verifier(src, dst, max_rel_err, progress, log or (lambda s: None))
+    rep = v.run()
+    if engine:
+        rep.engine = engine_compare(src, dst, engine, log or (lambda s: None))
+        if rep.engine.get("error"):
+            rep.failures.append(rep.engine["error"])
+            rep.checks["engine"] = "FAILED"
+        elif rep.engine.get("available"):
+            rep.checks["engine"] = "ok"
+        else:
+            rep.checks["engine"] = "skipped: " + rep.engine["message"]
+    return rep
+
+
+def engine_compare(src: str, dst: str, engine: str, log: Callable[[str], None]) -> dict:
+    """Top-1 agreement / mean KL of next-token distributions in a real engine, where available."""
+    if engine != "vllm":
+        return {"available": False, "message": f"engine {engine!r} is not supported; use --engine vllm"}
+    try:
+        from .loaders.vllm_compare import compare_in_vllm
+    except ImportError as e:
+        return {"available": False, "message": f"vLLM comparison is unavailable here ({e.__class__.__name__}: {e})"}
+    log("engine: running source and DST in vLLM (this takes a while)")
+    try:
+        res = compare_in_vllm(src, dst, VERIFY_PROMPTS, 8)
+    except QConvertError as e:
+        return {"available": True, "error": f"vLLM comparison failed: {str(e).splitlines()[0]}"}
+    keep = ("top1_agreement", "mean_kl", "max_kl", "positions", "generation_agreement", "max_abs_logprob_diff")
+    return {"available": True, **{k: res[k] for k in keep if k in res}}
+
+
+# ---- text summary -------------------------------------------------------------------------------
+
+def format_report(r: VerifyReport, worst: int = 5) -> str:
+    lines = [f"verify: {r.src} -> {r.dst} ({r.scheme}, {r.dialect} dialect)"]
+    for name, st in r.checks.items():
+        lines.append(f"  {name:<11}: {st}")
+    if r.tensors:
+        rels = [t.rel_err for t in r.tensors]
+        exact = [t.exact for t in r.tensors if t.exact is not None]
+        lines.append(f"  quantized  : {len(r.tensors)} tensors, rel err mean {sum(rels) / len(rels):.4f} max {max(rels):.4f}, "
+                     f"SQNR min {min(t.sqnr_db for t in r.tensors):.1f} dB"
+                     + (f"; bit-exact RCEIL {sum(exact)}/{len(exact)}" if exact else ""))
+    lines.append(f"  kept BF16  : {r.kept_identical} tensors byte-identical to the source")
+    if r.engine:
+        if r.engine.get("available") and "top1_agreement" in r.engine:
+            lines.append(f"  vLLM       : top-1 agreement {r.engine['top1_agreement']:.3f}, mean KL {r.engine['mean_kl']:.4g} "
+                         f"over {r.engine.get('positions')} positions")
+        elif not r.engine.get("available"):
+            lines.append(f"  vLLM       : {r.engine['message']}")
+    g = r.groups()
+    if g:
+        lines.append("  per group (rel err mean / max, min SQNR):")
+        for name, d in g.items():
+            lines.append(f"    {name:<50} {d['format']:<6} x{d['count']:<5} {d['mean_rel_err']:.4f} / {d['max_rel_err']:.4f}  "
+                         f"{d['min_sqnr_db']:.1f} dB")
+        lines.append("  worst tensors:")
+        for t in r.worst(worst):
+            lines.append(f"    {t.module:<50} rel err {t.rel_err:.4f}  SQNR {t.sqnr_db:.1f} dB" + ("" if t.ok else "  FAILED"))
+    for w in r.warnings:
+        lines.append(f"  warning: {w}")
+    if r.ok:
+        lines.append("PASSED")
+    else:
+        lines.append(f"FAILED ({len(r.failures)} problem{'s' if len(r.failures) != 1 else ''}):")
+        for f in r.failures[:50]:
+            lines.append(f"  - {f}")
+        if len(r.failures) > 50:
+            lines.append(f"  ... {len(r.failures) - 50} more (see --json)")
+    return "\n".join(lines)
