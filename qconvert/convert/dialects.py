@@ -7,6 +7,13 @@ MXFP8 (formats.md §4):
   ``sglang``   miles-style (§4 A): ``X.weight_scale_inv`` uint8, ``modules_to_not_convert``. SGLang only.
   ``modelopt`` ModelOpt (§4 B): ``quant_method: modelopt``, ``quant_algo: MXFP8``, ``ignore`` and
                ``hf_quant_config.json`` with ``exclude_modules``.
+NVFP4 (formats.md §5):
+  ``modelopt``            ``X.weight`` uint8 [N, K/2], ``X.weight_scale`` e4m3 [N, K/16],
+                          ``X.weight_scale_2`` fp32 [] (amax/2688, decode), ``X.input_scale`` fp32 [];
+                          ``quant_method: modelopt``, ``quant_algo: NVFP4``, ``ignore``.
+  ``compressed-tensors``  ``X.weight_packed``, ``X.weight_scale``, ``X.weight_global_scale`` fp32 [1]
+                          (2688/amax, encode), ``X.input_global_scale`` fp32 [1]; ``config_groups``,
+                          ``format: nvfp4-pack-quantized``, ``ignore`` (exact names or ``re:``).
 Pure: no I/O.
 """
 
@@ -90,6 +97,86 @@ def mxfp8_quant_config(exclusions: list[str], dialect: str) -> tuple[dict, dict[
                              "exclude_modules": list(excl)},
         }}
     raise PlanError(f"unknown MXFP8 dialect {dialect!r}")
+
+
+NVFP4_INPUT_MODES = ("weight-only", "unit", "copied")
+
+
+def nvfp4_out_tensors(module: str, shape: tuple[int, int], dialect: str, input_mode: str) -> list[OutTensor]:
+    n, k = shape
+    if dialect == "modelopt":
+        out = [OutTensor(f"{module}.weight", torch.uint8, (n, k // 2), "weight"),
+               OutTensor(f"{module}.weight_scale", torch.float8_e4m3fn, (n, k // 16), "scale"),
+               OutTensor(f"{module}.weight_scale_2", torch.float32, (), "global_scale")]
+        if input_mode != "weight-only":
+            out.append(OutTensor(f"{module}.input_scale", torch.float32, (), "input_scale"))
+        return out
+    if dialect == "compressed-tensors":
+        out = [OutTensor(f"{module}.weight_packed", torch.uint8, (n, k // 2), "weight"),
+               OutTensor(f"{module}.weight_scale", torch.float8_e4m3fn, (n, k // 16), "scale"),
+               OutTensor(f"{module}.weight_global_scale", torch.float32, (1,), "global_scale")]
+        if input_mode != "weight-only":
+            out.append(OutTensor(f"{module}.input_global_scale", torch.float32, (1,), "input_scale"))
+        return out
+    raise PlanError(f"unknown NVFP4 dialect {dialect!r}")
+
+
+def _fp4_args(dynamic) -> dict:
+    return {"dynamic": dynamic, "num_bits": 4, "type": "float", "group_size": 16}
+
+
+def ct_ignore(exclusions: list[str]) -> list[str]:
+    """compressed-tensors matches exact names or ``re:`` regexes (re.match): a whole-layer
+    ``model.layers.{i}.`` entry becomes an anchored regex, everything else stays exact."""
+    import re as _re
+    return [f"re:^{_re.escape(e)}" if e.endswith(".") else e for e in exclusions]
+
+
+def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> tuple[dict, dict[str, dict]]:
+    """(config.json quantization_config, extra json files). ``input_mode``: weight-only (W4A16),
+    unit or copied (W4A4 with static input scales)."""
+    excl = list(exclusions)
+    w4a16 = input_mode == "weight-only"
+    if dialect == "modelopt":
+        qc = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_scheme": None,
+            "ignore": excl,
+            "producer": dict(PRODUCER),
+            "config_groups": {"group_0": {"weights": _fp4_args(False),
+                                          "input_activations": None if w4a16 else _fp4_args(False),
+                                          "targets": ["Linear"]}},
+        }
+        extra = {}
+        if not w4a16:
+            # Only for W4A4: an hf_quant_config.json cannot say "weights only" to every reader, and
+            # vLLM and SGLang both take config.json's quantization_config first.
+            extra["hf_quant_config.json"] = {
+                "producer": dict(PRODUCER),
+                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                 "exclude_modules": list(excl)},
+            }
+        return qc, extra
+    if dialect == "compressed-tensors":
+        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                   "symmetric": True, "dynamic": False, "observer": "minmax", "actorder": None,
+                   "block_structure": None, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
+        inputs = None if w4a16 else {**weights, "dynamic": "local", "observer": "static_minmax"}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "global_compression_ratio": None,
+            "kv_cache_scheme": None,
+            "ignore": ct_ignore(excl),
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": inputs, "output_activations": None,
+                                          "format": "nvfp4-pack-quantized"}},
+            "producer": dict(PRODUCER),
+        }, {}
+    raise PlanError(f"unknown NVFP4 dialect {dialect!r}")
 
 
 def engines_for(scheme: str, dialect: str) -> list[str]:
