@@ -35,6 +35,8 @@ def mxfp8_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     t = amax.float() / E4M3_MAX
     bits = t.view(torch.int32)
     byte = ((bits + 0x7FFFFF) >> 23) & 0xFF
+    # A NaN amax's bits overflow the int32 add above (byte 1): map it to 255 as documented.
+    byte = torch.where(torch.isnan(t), 255, byte)
     return byte.clamp_(min=MIN_SCALE_BYTE)
 
 
