@@ -30,7 +30,7 @@ def handle_errors(fn):
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing was installed at DST", err=True)
+            click.echo("interrupted; nothing was installed at DST (rerun the same command with --resume to continue)", err=True)
             sys.exit(130)
     return wrapper
 
@@ -49,6 +49,8 @@ def plan_options(fn):
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
         click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
         click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last "
+                     "complete output shard (verified by sha256); the result is byte-identical to an uninterrupted run."),
     ]
     for o in reversed(opts):
         fn = o(fn)

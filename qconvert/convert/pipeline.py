@@ -28,6 +28,7 @@ import torch
 from .. import __version__
 from ..errors import CheckpointError, OutputError, QConvertError
 from . import dialects
+from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
@@ -50,6 +51,7 @@ class ConvertOptions:
     progress: bool | None = None  # None: on a terminal only
     queue_bytes: int = 1 << 30  # read-ahead bound
     fsync: bool = True
+    resume: bool = False  # continue an interrupted run from its journal (resume.py)
 
 
 @dataclass
@@ -276,25 +278,35 @@ def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
         result.seconds = time.perf_counter() - t0
         return result
 
-    tmp = _tmp_dir(dst)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # Resumable partial dir beside DST (resume.py): kept on output errors and interrupts.
+    part = _resume.open_partial(dst, ckpt, scheme, dialect, opts)
+    result.notes.extend(part.notes)
+    tmp = part.dir
     try:
-        os.mkdir(tmp)
-    except OSError as e:
-        raise OutputError(f"{tmp}: cannot create the temporary output directory ({e.strerror})") from None
-    try:
-        input_sha, output_sha = _run(ckpt, plan, jobs, tmp, opts, bytes_in)
-        _write_metadata(ckpt, plan, jobs, scheme, dialect, tmp, opts, input_sha, output_sha)
-        _install(tmp, dst)
+        input_sha, output_sha = _run(ckpt, plan, jobs, tmp, opts, bytes_in, journal=part)
+        _write_metadata(ckpt, plan, jobs, scheme, dialect, tmp, opts, input_sha, output_sha, created=part.created)
+        part.finish()
+        try:
+            _install(tmp, dst)
+        except OSError as e:
+            raise OutputError(f"{dst}: cannot move the finished output into place ({e.strerror}); it is in {tmp}") from None
+        part.release()
+    except OutputError as e:
+        part.release()
+        raise OutputError(f"{e} [finished shards kept in {tmp}: fix this and rerun with --resume, "
+                          "or delete it]") from None
+    except KeyboardInterrupt:
+        part.release()
+        raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        part.discard()
         raise
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int):
+def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,
+         journal: "_resume.Partial | None" = None):
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     shard_of = ckpt.shard_of()
     job_of = {s: j for j in jobs for s in j.sources}
@@ -308,7 +320,13 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
             i = shard_of[srcname]
             specs[i].append((o.name, o.dtype, o.shape))
             out_shard[o.name] = i
-    writers = [_HashingWriter(tmp / h.path.name, specs[i]) for i, h in enumerate(ckpt.shards)]
+    # Resume: output shards the journal verified are not rewritten (writer None); only jobs with an
+    # output in another shard run, and only input shards holding their sources are read.
+    done = journal.done if journal is not None else set()
+    writers = [None if h.path.name in done else _HashingWriter(tmp / h.path.name, specs[i])
+               for i, h in enumerate(ckpt.shards)]
+    needed = {s for j in jobs if any(writers[out_shard[o.name]] is not None for o in j.outputs) for s in j.sources}
+    skipped_bytes = sum(e.nbytes for n, e in entries.items() if n not in needed)
 
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -321,8 +339,12 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
     def reader():
         try:
             for h in ckpt.shards:
+                only = {n for n in h.entries if n in needed}
+                if not only and journal is not None and h.path.name in journal.inputs:
+                    input_sha[h.path.name] = journal.inputs[h.path.name]
+                    continue
                 with ShardReader(h) as r:
-                    for e, t in r.iter_tensors():
+                    for e, t in r.iter_tensors(only if len(only) < len(h.entries) else None):
                         with cond:
                             while inflight[0] > 0 and inflight[0] + e.nbytes > opts.queue_bytes and not stop.is_set():
                                 cond.wait(0.2)
@@ -331,6 +353,8 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
                             inflight[0] += e.nbytes
                         read_q.put((e, t))
                     input_sha[h.path.name] = r.sha256()
+                if journal is not None:
+                    journal.input_done(h.path.name, input_sha[h.path.name])
         except BaseException as ex:  # surfaced by the main loop
             errors.append(ex)
         finally:
@@ -350,6 +374,8 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
                 w.write(name, t)
                 if w.complete:
                     output_sha[ckpt.shards[i].path.name] = w.close(opts.fsync)
+                    if journal is not None:
+                        journal.output_done(ckpt.shards[i].path.name, output_sha[ckpt.shards[i].path.name], w.w.size)
         except BaseException as ex:
             errors.append(ex)
             stop.set()
@@ -359,6 +385,7 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
     rt.start()
     wt.start()
     bar = _Progress(bytes_in, opts.progress, "convert")
+    bar.update(skipped_bytes)
     waiting: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -374,6 +401,8 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
                 src = {s: waiting.pop(s) for s in j.sources}
                 out = j.fn(src)
                 for o in j.outputs:
+                    if writers[out_shard[o.name]] is None:  # resumed: its shard is already complete
+                        continue
                     while True:
                         try:
                             write_q.put((o.name, out[o.name]), timeout=0.2)
@@ -401,18 +430,23 @@ def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: Convert
         rt.join(timeout=5)
         bar.close()
         for w in writers:
-            if not w.w._pending:
+            if w is None or not w.w._pending:
                 continue
             w.w.abort()
     if errors:
         raise errors[0]
     for i, w in enumerate(writers):
         name = ckpt.shards[i].path.name
-        if name not in output_sha:
+        if w is None:
+            output_sha[name] = journal.outputs[name]["sha256"]
+        elif name not in output_sha:
             if w.w.names:
                 raise OutputError(f"{tmp / name}: output shard incomplete (internal)")
             output_sha[name] = w.close(opts.fsync)  # empty shard: header only
-    return input_sha, output_sha
+            if journal is not None:
+                journal.output_done(name, output_sha[name], w.w.size)
+    order = [h.path.name for h in ckpt.shards]  # shard order, whatever order shards finished in
+    return {n: input_sha[n] for n in order}, {n: output_sha[n] for n in order}
 
 
 def _source_for_outputs(j: Job) -> list[str]:
@@ -434,7 +468,7 @@ def _write_json(path: Path, obj):
 
 
 def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, dialect: str, tmp: Path,
-                    opts: ConvertOptions, input_sha: dict, output_sha: dict):
+                    opts: ConvertOptions, input_sha: dict, output_sha: dict, created: str | None = None):
     config = dict(ckpt.config)
     if scheme == "mxfp8":
         qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
@@ -458,7 +492,7 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
 
     manifest = {
         "qconvert_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": created or _resume.created_timestamp(),
         "scheme": scheme,
         "dialect": dialect,
         "engines": dialects.engines_for(scheme, dialect),

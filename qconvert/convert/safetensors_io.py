@@ -193,9 +193,12 @@ class ShardReader:
                 self._hashed_to = e.end
         return t
 
-    def iter_tensors(self):
-        """Yield (entry, tensor) in file order; afterwards :meth:`sha256` is the file's digest."""
+    def iter_tensors(self, only: set[str] | None = None):
+        """Yield (entry, tensor) in file order, of the names in ``only`` if given; afterwards
+        :meth:`sha256` is the whole file's digest (skipped tensors are hashed, not returned)."""
         for e in self.header.entries.values():
+            if only is not None and e.name not in only:
+                continue
             self._hash_gap(e.start)
             yield e, self.read(e.name)
 
