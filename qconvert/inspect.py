@@ -249,8 +249,7 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
     notes: list[str] = []
     if not isinstance(qc, dict) and hf_quant_config:
         hq = hf_quant_config.get("quantization") or {}
-        qc = {"quant_method": "modelopt", "quant_algo": hq.get("quant_algo"),
-              "exclude_modules": hq.get("exclude_modules") or []}
+        qc = {"quant_method": "modelopt", "quant_algo": hq.get("quant_algo")}  # list read from hf_quant_config below
         notes.append(f"{HF_QUANT_CONFIG} only (no quantization_config in config.json): older ModelOpt export")
     if not isinstance(qc, dict):
         quantized = formats & {"mxfp8", "nvfp4", "fp8", "fp8-block"}
