@@ -78,6 +78,18 @@ def _safe_member(root: Path, rel: str, index_path: Path) -> Path:
     return root / rel
 
 
+def _check_inside(root: Path, p: Path, hub: bool):
+    """Refuse a file (symlink) that resolves outside SRC; a Hub snapshot may point into its blob store."""
+    base = root.resolve()
+    if hub and len(base.parents) >= 2:
+        base = base.parents[1]  # <cache>/models--org--name: holds snapshots/<rev>/ and blobs/
+    try:
+        p.resolve().relative_to(base)
+    except ValueError:
+        raise CheckpointError(f"{p}: is a symlink that resolves outside {root}; refusing to read outside SRC "
+                              "(copy the file into the checkpoint directory)") from None
+
+
 def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
     root, rev = resolve_source(src, allow_download)
     cfg_path = root / "config.json"
@@ -104,7 +116,7 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
             raise CheckpointError(f"{index_path}: malformed index ({e}); re-download it") from None
         shard_names = sorted(set(wmap.values()))
         for rel in shard_names:
-            _safe_member(root, rel, index_path)
+            _check_inside(root, _safe_member(root, rel, index_path), rev is not None)
         shards = []
         for rel in shard_names:
             p = root / rel
@@ -128,6 +140,7 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     else:
         files = sorted(root.glob("*.safetensors"))
         if len(files) == 1:
+            _check_inside(root, files[0], rev is not None)
             shards = [read_header(files[0])]
         elif len(files) > 1:
             raise CheckpointError(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index or keep one file")
@@ -146,5 +159,6 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     for p in sorted(root.iterdir()):
         if p.is_file() and p.name not in REWRITTEN and p.resolve() not in shard_paths and not p.name.endswith(
                 (".safetensors", ".bin", ".pt", ".pth", ".lock")) and not p.name.startswith("."):
+            _check_inside(root, p, rev is not None)
             extra.append(p)
     return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra)
