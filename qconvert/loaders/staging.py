@@ -87,7 +87,8 @@ def dtype_tag(dtype: torch.dtype) -> str:
         raise StagingError(f"dtype {dtype} cannot be staged as safetensors") from None
 
 
-def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int]]]) -> dict:
+def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int]]],
+                    layout: dict | None = None) -> dict:
     """What must be identical between the serving checkpoint and every reloaded one.
 
     ``tensors``: (name, safetensors dtype tag, shape). Weights may differ; names, dtypes, shapes,
@@ -100,7 +101,18 @@ def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int
         "quantization_config": config.get("quantization_config"),
         "num_tensors": len(lines),
         "tensors_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+        "layout": layout,
     }
+
+
+def read_layout(root: Path) -> dict | None:
+    """The kernel-layout contract of a pre-shuffled qconvert checkpoint (``qconvert.json`` ``layout``)."""
+    try:
+        info = json.loads((Path(root) / "qconvert.json").read_text())
+    except (OSError, ValueError):
+        return None
+    lay = info.get("layout") if isinstance(info, dict) else None
+    return lay if isinstance(lay, dict) else None
 
 
 def contract_mismatch(have: dict, want: dict) -> list[str]:
@@ -118,7 +130,7 @@ def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
     for shard in _shards(root):
         for e in read_header(shard).entries.values():
             tensors.append((e.name, e.dtype, e.shape))
-    return layout_contract(config, tensors)
+    return layout_contract(config, tensors, read_layout(root))
 
 
 def _read_config(root: Path) -> dict:
@@ -210,7 +222,7 @@ class StagingWriter:
     """
 
     def __init__(self, name: str, *, root: Path | None = None, source: str = "",
-                 config: dict | None = None, replace: bool = True):
+                 config: dict | None = None, replace: bool = True, layout: dict | None = None):
         _check_name(name)
         self.name = name
         self.root = Path(root) if root is not None else staging_root()
@@ -223,6 +235,7 @@ class StagingWriter:
         os.chmod(self.tmp, 0o700)
         self.source = source
         self.config = config
+        self.layout = layout
         self.files: dict[str, dict] = {}
         self.tensors: dict[str, dict] = {}
         self.weight_map: dict[str, str] = {}
@@ -292,7 +305,8 @@ class StagingWriter:
     def commit(self) -> "StagingArea":
         if self.config is None:
             raise StagingError("staging needs the checkpoint's config.json")
-        contract = layout_contract(self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()))
+        contract = layout_contract(self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()),
+                                   self.layout)
         if "config.json" not in self.files:
             self.add_file("config.json", json.dumps(self.config, indent=2).encode())
         total = sum(t["nbytes"] for t in self.tensors.values())
@@ -344,7 +358,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
     groups: dict[tuple[int, int], list[str]] = {}
     for n in where:
         groups.setdefault(group_key(n), []).append(n)
-    with StagingWriter(name, root=root, source=str(src.resolve()), config=config) as w:
+    with StagingWriter(name, root=root, source=str(src.resolve()), config=config, layout=read_layout(src)) as w:
         fds: dict[Path, int] = {}
         try:
             for key in sorted(groups):

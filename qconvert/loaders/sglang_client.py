@@ -1,0 +1,210 @@
+"""Hot reload into running SGLang servers (0.5.23 HTTP API).
+
+Sequence per server (replicas in parallel): ``POST /pause_generation {"mode"}`` →
+``POST /update_weights_from_disk {"model_path", "flush_cache", "abort_all_requests",
+"weight_version"}`` → ``POST /continue_generation {}``. Field names and defaults are those of
+SGLang's own request structs (``sglang/srt/managers/io_struct.py``: ``PauseGenerationReqInput``,
+``UpdateWeightFromDiskReqInput``/``...ReqOutput``, ``ContinueGenerationReqInput``); routes from
+``sglang/srt/entrypoints/http_server.py``. Not run against a live SGLang (it needs a GPU); the
+tests check every request body against those structs (parsed from the sglang package source when
+it is available, else the fields documented in the spec).
+
+* ``{"success": false, "message": ...}`` (HTTP 400) is an error carrying the server's message.
+* ``flush_cache``: true with ``--pause abort`` or ``retract`` (no running requests, the flush
+  succeeds); false with ``in_place``, because SGLang refuses to flush with requests in the
+  running batch and then reports ``success=false`` although the weights changed.
+* Rollback: SGLang's own update path re-loads on failure, but ``model_path`` was already moved
+  (spec §2.4), so after a failure the client reloads the checkpoint the server reported in
+  ``/model_info`` before the attempt, then continues generation.
+* ``--via shm`` works as for vLLM: SGLang's ``DefaultModelLoader`` reads the staging area's
+  safetensors shards like any checkpoint directory.
+* Pre-shuffled (kernel-layout) checkpoints are not supported: ``update_weights_from_disk`` runs
+  ``model.load_weights`` and then ``process_weights_after_loading`` on checkpoint-format tensors;
+  the only path that skips that processing (``update_weights_from_tensor`` with
+  ``load_format="direct"``) still re-runs it at ``end_weight_update``, which would shuffle
+  already shuffled tensors again (spec §2.5, §2.7). The client refuses such checkpoints.
+* ``--verify``: ``/weights_checker {"action": "checksum"}`` must succeed on every server, the
+  per-engine checksums must agree across replicas, and a fixed greedy prompt (``/generate``) must
+  give the same text on every replica.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from qconvert.errors import QConvertError
+from qconvert.loaders.http import HttpClient, ServerError, ServerUnreachable
+from qconvert.loaders.vllm_client import ReloadError, ReloadResult, _fan_out, _resolve_source
+
+log = logging.getLogger("qconvert.reload")
+
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+PAUSE_MODES = ("abort", "retract", "in_place")
+VERIFY_PROMPT = "The capital of France is"
+VERIFY_TOKENS = 12
+
+
+class SglangClient:
+    """The weight-update routes of one SGLang server."""
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
+                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
+                 sleep: Callable[[float], None] | None = None):
+        kw = {} if sleep is None else {"sleep": sleep}
+        self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, **kw)
+        self.reload_timeout = reload_timeout
+
+    @property
+    def url(self) -> str:
+        return self.http.base_url
+
+    def model_info(self) -> dict:
+        status, body = self.http.request("GET", "/model_info", ok_status=(404,))
+        if status == 404:  # older servers
+            body = self.http.get("/get_model_info")
+        return body
+
+    def version(self) -> str | None:
+        try:
+            body = self.http.get("/version")
+        except ServerError:
+            return None
+        return body.get("version") if isinstance(body, dict) else None
+
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise QConvertError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self.http.post("/pause_generation", {"mode": mode}, timeout=self.reload_timeout)
+
+    def resume(self) -> None:
+        self.http.post("/continue_generation", {}, retries=max(self.http.retries, 5))
+
+    def update_weights_from_disk(self, path: str, *, flush_cache: bool = True, weight_version: str | None = None,
+                                 load_format: str | None = None) -> dict:
+        body: dict = {"model_path": str(path), "flush_cache": flush_cache, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        status, out = self.http.request("POST", "/update_weights_from_disk", json_body=body,
+                                        timeout=self.reload_timeout + 30, ok_status=(400,))
+        if not isinstance(out, dict) or not out.get("success"):
+            msg = out.get("message") if isinstance(out, dict) else str(out)
+            raise ServerError(self.url + "/update_weights_from_disk", status, msg or "success=false")
+        return out
+
+    def weights_checksum(self) -> dict:
+        status, out = self.http.request("POST", "/weights_checker", json_body={"action": "checksum"},
+                                        timeout=self.reload_timeout, ok_status=(400,))
+        if not isinstance(out, dict) or not out.get("success"):
+            raise ServerError(self.url + "/weights_checker", status,
+                              (out.get("message") if isinstance(out, dict) else str(out)) or "success=false")
+        return out
+
+    def generate(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
+        out = self.http.post("/generate", {"text": prompt, "sampling_params": {
+            "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}, timeout=self.reload_timeout)
+        if isinstance(out, list):
+            out = out[0]
+        return out["text"]
+
+
+def _resume_after(client: SglangClient, failure: BaseException | None) -> None:
+    try:
+        client.resume()
+    except QConvertError as err:
+        if failure is None:
+            raise ReloadError(f"{client.url}: reload done but continue_generation failed: {err}; "
+                              f"call POST {client.url}/continue_generation") from err
+        log.error("%s: continue_generation after a failed reload also failed: %s", client.url, err)
+        if isinstance(failure, QConvertError):
+            failure.args = (f"{failure}; continue_generation also failed ({err}): "
+                            f"call POST {client.url}/continue_generation",)
+
+
+def _is_preshuffled(path: str) -> bool:
+    meta = Path(path, "qconvert.json")
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    layout = info.get("layout") if isinstance(info, dict) else None
+    return bool(layout) and layout not in ("checkpoint", "hf", None)
+
+
+def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush: bool) -> ReloadResult:
+    import time
+
+    t0 = time.perf_counter()
+    info = client.model_info()
+    previous = info.get("model_path")
+    client.pause(pause)
+    failure: BaseException | None = None
+    res = ReloadResult(client.url, ok=False)
+    try:
+        try:
+            out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
+            log.info("%s: %s", client.url, out.get("message"))
+        except (ServerError, ServerUnreachable) as err:
+            server_msg = err.message if isinstance(err, ServerError) else str(err)
+            rolled = False
+            if previous and previous != path:
+                try:
+                    client.update_weights_from_disk(previous, flush_cache=flush,
+                                                    weight_version=info.get("weight_version"))
+                    rolled = True
+                except QConvertError as err2:
+                    log.error("%s: rollback to %s failed: %s", client.url, previous, err2)
+            res.rolled_back = rolled
+            tail = (f"rolled back to {previous}; generation continued" if rolled else
+                    "previous weights not restored; reload a good checkpoint or restart the server")
+            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({tail})") from err
+    except BaseException as e:  # noqa: BLE001 - continue generation below on every path
+        failure = e
+        raise
+    finally:
+        _resume_after(client, failure)
+    res.ok = True
+    res.weight_version = version
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "abort",
+                  weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
+                  stage_name: str | None = None, timeout: float = 30.0, retries: int = 3,
+                  client_factory=None) -> list[ReloadResult]:
+    """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently)."""
+    from qconvert.loaders.staging import open_area, stage_checkpoint
+
+    if pause not in PAUSE_MODES:
+        raise QConvertError(f"--pause {pause!r} is not valid for SGLang; use one of {', '.join(PAUSE_MODES)}")
+    path, _ = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    if _is_preshuffled(path):
+        raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
+                            "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
+    version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
+    flush = pause != "in_place"
+    make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout, retries=retries))
+    clients = [make(u) for u in urls]
+    results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
+    if errors:
+        raise ReloadError("; ".join(errors))
+    if verify:
+        sums, texts = {}, {}
+        for c in clients:
+            out = c.weights_checksum()
+            sums[c.url] = json.dumps(out.get("per_engine_checksum"), sort_keys=True)
+            texts[c.url] = c.generate(VERIFY_PROMPT)
+        if len(set(sums.values())) > 1:
+            raise ReloadError(f"--verify: replicas report different weight checksums: {sums}")
+        if len(set(texts.values())) > 1:
+            raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {texts}")
+        for r in results:
+            r.verify = {"greedy_text": next(iter(texts.values()), None)}
+    return results
