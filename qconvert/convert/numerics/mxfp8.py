@@ -13,6 +13,9 @@ all-zero blocks (elements are zero whatever the scale) and blocks of subnormal m
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 MXFP8_BLOCK = 32
@@ -45,23 +48,101 @@ def _pow2_from_biased(biased: torch.Tensor) -> torch.Tensor:
     return (biased.to(torch.int32) << 23).view(torch.float32)
 
 
-def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize along the last axis. Returns (float8_e4m3fn [..., K], uint8 [..., K/32])."""
-    if x.shape[-1] % MXFP8_BLOCK:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MXFP8_BLOCK}")
-    k = x.shape[-1]
-    xb = x.reshape(*x.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK).float()
-    amax = xb.abs().amax(dim=-1, keepdim=True)
+def _quantize_blocks(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                     fbuf: torch.Tensor | None = None, abuf: torch.Tensor | None = None) -> None:
+    """Quantize blocks ``xb`` [n, 32] into ``q`` [n, 32] (e4m3) and ``s`` [n] (uint8), in place.
+
+    ``fbuf``/``abuf`` are optional fp32 scratch of at least n rows; the CPU path passes
+    cache-sized ones so that no temporary the size of the whole tensor is ever made.
+    """
+    n = xb.shape[0]
+    f = torch.empty(xb.shape, dtype=torch.float32, device=xb.device) if fbuf is None else fbuf[:n]
+    f.copy_(xb)  # never aliases the input, so the scaling below can be in place
+    amax = torch.abs(f, out=None if abuf is None else abuf[:n]).amax(dim=-1, keepdim=True)
     byte = mxfp8_scale_bytes(amax)
     # 2^-E has biased exponent 127 - E = 254 - byte; byte <= 254 keeps it a normal fp32 >= 1.
     # For the bytes BF16 can produce (<= 247) it is always a normal number.
-    inv_scale = _pow2_from_biased(254 - byte.clamp(max=254))
-    scaled = xb.mul_(inv_scale) if xb.data_ptr() != x.data_ptr() else xb * inv_scale
+    f.mul_(_pow2_from_biased(254 - byte.clamp(max=254)))
     # RCEIL guarantees |scaled| <= 448 for BF16 inputs; the clamp protects wider inputs from
     # PyTorch's non-saturating CUDA cast (formats.md §3.4).
-    scaled.clamp_(-E4M3_MAX, E4M3_MAX)
-    q = scaled.to(torch.float8_e4m3fn).reshape(x.shape)
-    return q, byte.squeeze(-1).to(torch.uint8)
+    f.clamp_(-E4M3_MAX, E4M3_MAX)
+    q.copy_(f)
+    s.copy_(byte.view(n))
+
+
+#: Blocks per CPU work item: 8192 blocks are 512 KB of BF16 and 1 MB of fp32 scratch, so the
+#: intermediates of a chunk stay in cache instead of streaming whole-tensor temporaries.
+CPU_CHUNK_BLOCKS = 8192
+#: Tensors of at most this many blocks are quantized inline (torch does not split them either).
+SMALL_BLOCKS = 1024
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
+
+
+def _single_thread():
+    torch.set_num_threads(1)  # per-thread setting: this worker's ops run on this worker only
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pool_lock:
+        p = _pools.get(workers)
+        if p is None:
+            p = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="qconvert-mxfp8",
+                                                     initializer=_single_thread)
+        return p
+
+
+def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:
+    """Chunks of CPU_CHUNK_BLOCKS handed out to ``workers`` threads, each single-threaded in torch.
+
+    Python threads rather than torch's intra-op pool: one OpenMP fork/join per small op costs
+    more than the op on a busy machine, while each torch op here releases the GIL for its work.
+    """
+    n = xb.shape[0]
+    chunk = CPU_CHUNK_BLOCKS
+    if n <= SMALL_BLOCKS:  # below torch's parallel grain size: one pass in the calling thread
+        _quantize_blocks(xb, q, s)
+        return
+    starts = iter(range(0, n, chunk))  # shared: next() under the GIL hands each chunk out once
+    lock = threading.Lock()
+
+    def work():
+        fbuf = torch.empty(chunk, MXFP8_BLOCK)
+        abuf = torch.empty_like(fbuf)
+        while True:
+            with lock:
+                i = next(starts, None)
+            if i is None:
+                return
+            _quantize_blocks(xb[i:i + chunk], q[i:i + chunk], s[i:i + chunk], fbuf, abuf)
+
+    workers = max(1, workers)
+    futures = [_pool(workers).submit(work) for _ in range(min(workers, -(-n // chunk)))]
+    for fut in futures:
+        fut.result()
+
+
+def mxfp8_quantize(x: torch.Tensor, workers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize along the last axis. Returns (float8_e4m3fn [..., K], uint8 [..., K/32]).
+
+    Every block goes through the same op chain (:func:`_quantize_blocks`) on every device. On
+    CPU the blocks are processed in cache-sized chunks by ``workers`` threads (default: torch's
+    intra-op thread count); on other devices the whole tensor is one chunk.
+    """
+    if x.shape[-1] % MXFP8_BLOCK:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MXFP8_BLOCK}")
+    k = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(*x.shape[:-1], k // MXFP8_BLOCK, dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return q, s
+    xb = x.reshape(-1, MXFP8_BLOCK)
+    if x.device.type == "cpu":
+        _quantize_cpu(xb, q.view(-1, MXFP8_BLOCK), s.view(-1),
+                      torch.get_num_threads() if workers is None else workers)
+    else:
+        _quantize_blocks(xb, q.view(-1, MXFP8_BLOCK), s.view(-1))
+    return q, s
 
 
 def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
