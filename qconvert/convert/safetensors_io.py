@@ -76,6 +76,16 @@ def _fail(path: Path, what: str, fix: str = "re-download or re-export this shard
     return CheckpointError(f"{path}: {what}; {fix}")
 
 
+def _unique_keys(pairs):
+    """JSON object hook: readers disagree on duplicate keys (first or last wins), so refuse them."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate a safetensors header. Raises CheckpointError naming the problem."""
     path = Path(path)
@@ -96,8 +106,8 @@ def read_header(path: str | os.PathLike) -> Header:
     except PermissionError:
         raise CheckpointError(f"{path}: permission denied; make the file readable") from None
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise _fail(path, f"header is not valid JSON ({e.__class__.__name__}: {str(e)[:80]})") from None
     if not isinstance(obj, dict):
         raise _fail(path, "header is not a JSON object")
