@@ -219,8 +219,13 @@ def test_truncated_shard_fails_with_server_message_and_rolls_back(served):
     shard = sorted(broken.glob("*.safetensors"))[-1]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ReloadError) as ei:
+    # default: the layout-contract check reads every shard header and refuses it before pausing
+    with pytest.raises(ReloadError, match="truncated") as ei:
         reload_vllm([srv.url], broken, weight_version="BROKEN")
+    assert requests.get(srv.url + "/weight_info", timeout=10).json()["weight_version"] == "A-before-broken"
+    # without the client-side check the server itself fails; the client rolls back and resumes
+    with pytest.raises(ReloadError) as ei:
+        reload_vllm([srv.url], broken, weight_version="BROKEN", check_contract=False)
     msg = str(ei.value)
     # the server's own words (vLLM reports the worker exception text)
     assert "Call to collective_rpc method failed" in msg, msg

@@ -175,7 +175,7 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     return res
 
 
-def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "abort",
+def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "retract",
                   weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
                   stage_name: str | None = None, timeout: float = 30.0, retries: int = 3,
                   client_factory=None) -> list[ReloadResult]:

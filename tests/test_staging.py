@@ -1,0 +1,172 @@
+"""Shared-memory staging area: layout, alignment, permissions, checksums, refusals, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from qconvert.loaders import staging
+from qconvert.loaders.staging import StagingError, open_area, stage_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def shm_root(tmp_path, monkeypatch):
+    root = tmp_path / "shm"
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(root))
+    return root
+
+
+def _all_tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_stage_roundtrip_alignment_modes(demo_moe, shm_root):
+    area = stage_checkpoint(demo_moe, "moe")
+    # same tensors, same bytes, read by the safetensors library (what vLLM/SGLang use)
+    src, got = _all_tensors(demo_moe), _all_tensors(area.path)
+    assert src.keys() == got.keys()
+    for k in src:
+        assert src[k].dtype == got[k].dtype and torch.equal(src[k].view(torch.uint8), got[k].view(torch.uint8)), k
+    # every tensor starts at a 256-byte file offset (checked from the raw headers, not the manifest)
+    n_checked = 0
+    for f in area.path.glob("*.safetensors"):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        hdr = json.loads(raw[8:8 + n])
+        for name, spec in hdr.items():
+            if name == "__metadata__":
+                continue
+            assert (8 + n + spec["data_offsets"][0]) % 256 == 0, (f.name, name)
+            n_checked += 1
+    assert n_checked == len(src)
+    # every tensor of a layer in one group, groups in layer order
+    idx = json.loads((area.path / "model.safetensors.index.json").read_text())["weight_map"]
+    layer_groups: dict[int, set[str]] = {}
+    for name, fname in idx.items():
+        if (layer := staging.layer_of(name)) is not None:
+            layer_groups.setdefault(layer, set()).add(fname.split("-")[0])
+    assert all(len(g) == 1 for g in layer_groups.values()), layer_groups
+    order = [layer_groups[k].pop() for k in sorted(layer_groups)]
+    assert order == sorted(order)
+    # permissions
+    assert stat.S_IMODE(os.stat(area.path).st_mode) == 0o700
+    for p in area.path.iterdir():
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    assert (area.path / "config.json").read_text() == (demo_moe / "config.json").read_text()
+    assert (area.path / "tokenizer.json").is_file()
+    again = open_area("moe")
+    assert again.manifest["manifest_sha256"] == area.manifest["manifest_sha256"]
+
+
+def test_refuses_modified_data(demo_dense):
+    area = stage_checkpoint(demo_dense, "d")
+    f = sorted(area.path.glob("g*.safetensors"))[1]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(StagingError, match="checksum mismatch"):
+        open_area("d")
+
+
+def test_refuses_truncated_file(demo_dense):
+    area = stage_checkpoint(demo_dense, "d")
+    f = sorted(area.path.glob("g*.safetensors"))[0]
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(StagingError, match="truncated"):
+        open_area("d")
+
+
+def test_refuses_edited_manifest(demo_dense):
+    area = stage_checkpoint(demo_dense, "d")
+    m = area.path / staging.MANIFEST
+    man = json.loads(m.read_text())
+    man["contract"]["quantization_config"] = {"quant_method": "mxfp8"}
+    m.write_text(json.dumps(man))
+    os.chmod(m, 0o600)
+    with pytest.raises(StagingError, match="manifest checksum mismatch"):
+        open_area("d")
+
+
+def test_refuses_loose_permissions_and_extra_files(demo_dense):
+    area = stage_checkpoint(demo_dense, "d")
+    f = sorted(area.path.glob("g*.safetensors"))[0]
+    os.chmod(f, 0o644)
+    with pytest.raises(StagingError, match="mode 0o644"):
+        open_area("d")
+    os.chmod(f, 0o600)
+    (area.path / "evil.safetensors").write_bytes(b"x")
+    os.chmod(area.path / "evil.safetensors", 0o600)
+    with pytest.raises(StagingError, match="extra"):
+        open_area("d")
+
+
+def test_refuses_other_layout_contract(demo_dense, demo_moe, tmp_path):
+    area = stage_checkpoint(demo_dense, "d")
+    with pytest.raises(StagingError, match="layout contract differs"):
+        open_area("d", expected_contract=staging.checkpoint_contract(demo_moe))
+    # a converted (MXFP8) checkpoint differs in quantization_config and tensors
+    from qconvert.convert.pipeline import ConvertOptions, convert
+
+    q = tmp_path / "q"
+    convert(str(demo_dense), q, "mxfp8", ConvertOptions(scheme="mxfp8", fsync=False, progress=False))
+    with pytest.raises(StagingError) as ei:
+        open_area("d", expected_contract=staging.checkpoint_contract(q))
+    assert "quantization_config" in str(ei.value) and "tensors_sha256" in str(ei.value)
+    assert open_area("d", expected_contract=staging.checkpoint_contract(demo_dense)).name == "d"
+    assert area.contract == staging.checkpoint_contract(demo_dense)
+
+
+def test_partial_area_never_visible(demo_dense, shm_root, monkeypatch):
+    calls = {"n": 0}
+    orig = staging.StagingWriter.add_group
+
+    def boom(self, tensors):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed mid-staging")
+        return orig(self, tensors)
+
+    monkeypatch.setattr(staging.StagingWriter, "add_group", boom)
+    with pytest.raises(RuntimeError):
+        stage_checkpoint(demo_dense, "p")
+    assert not (shm_root / "p").exists()
+    assert [p.name for p in shm_root.iterdir()] == []
+
+
+def test_bad_names_refused():
+    for bad in ("../x", ".hidden", "a/b", ""):
+        with pytest.raises(StagingError):
+            staging.drop_area(bad)
+
+
+def test_cli_stage_list_drop(demo_dense, shm_root):
+    from qconvert.loaders.cli_commands import stage
+
+    r = CliRunner().invoke(stage, [str(demo_dense), "dense"])
+    assert r.exit_code == 0, r.output
+    assert "256-byte aligned" in r.output
+    r = CliRunner().invoke(stage, ["--list"])
+    assert r.exit_code == 0 and r.output.startswith("dense\t")
+    r = CliRunner().invoke(stage, ["--drop", "dense"])
+    assert r.exit_code == 0 and not (shm_root / "dense").exists()
+    r = CliRunner().invoke(stage, ["--drop", "dense"])
+    assert r.exit_code == 1 and "no staging area 'dense'" in r.output
+
+
+def test_staged_files_open_with_safetensors_mmap(demo_dense):
+    area = stage_checkpoint(demo_dense, "d")
+    f = sorted(area.path.glob("g*.safetensors"))[0]
+    with safe_open(f, framework="pt") as h:
+        assert list(h.keys())
