@@ -49,6 +49,9 @@ def plan_options(fn):
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
         click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
         click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+        click.option("--push-to-hub", default=None, metavar="REPO", help="After converting, verify DST and push it to this Hub repo."),
+        click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
+        click.option("--revision", default=None, help="With --push-to-hub: branch to push to."),
         click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last "
                      "complete output shard (verified by sha256); the result is byte-identical to an uninterrupted run."),
     ]
@@ -91,7 +94,8 @@ def print_summary(result, dry_run: bool):
 
 
 def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
-                 device, allow_non_finite, progress, dialect=None, **extra):
+                 device, allow_non_finite, progress, dialect=None, push_to_hub=None, private=False, revision=None,
+                 **extra):
     from .convert.pipeline import ConvertOptions, convert
     from .convert.plan import PlanOptions
 
@@ -106,6 +110,9 @@ def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantiz
     if dry_run:
         print_plan(result)
     print_summary(result, dry_run)
+    if push_to_hub and not dry_run:
+        from .hub_cli import push_after_convert
+        push_after_convert(src, result.dst, push_to_hub, private, revision, progress)
     return result
 
 
@@ -155,6 +162,7 @@ def _add_optional_commands():
 
     for mod, names in (
         ("qconvert.loaders.cli_commands", ("reload", "stage")),
+        ("qconvert.hub_cli", ("inspect", "verify", "push")),
     ):
         try:
             m = importlib.import_module(mod)
