@@ -60,6 +60,21 @@ def plan_options(fn):
     return fn
 
 
+def layout_options(fn):
+    """Kernel-ready MoE expert layouts (issue: pre-shuffled checkpoints)."""
+    opts = [
+        click.option("--layout", type=click.Choice(["flashinfer-trtllm"]), default=None,
+                     help="Write MoE experts pre-shuffled for the FlashInfer TRT-LLM MoE kernels."),
+        click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
+                     help="Engine whose post-processing the layout reproduces (padding, names, shapes)."),
+        click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: write per-rank tensors."),
+        click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: write per-rank tensors."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
 def print_plan(result, limit: int | None = None):
     rows = result.rows
     click.echo(f"{'module':<56} {'format':<7} {'shape':<16} {'in':>10} {'out':>10}  reason")
@@ -124,12 +139,64 @@ def main():
 
 @main.command()
 @plan_options
+@layout_options
 @click.option("--dialect", type=click.Choice(["auto", "sglang", "modelopt"]), default="auto", show_default=True,
               help="auto: loads in vLLM and SGLang; sglang: miles-style weight_scale_inv; modelopt: ModelOpt MXFP8.")
 @handle_errors
 def mxfp8(**kw):
     """Convert SRC (directory or Hub repo id) to MXFP8 at DST."""
     _run_convert("mxfp8", **kw)
+
+
+@main.command()
+@plan_options
+@layout_options
+@click.option("--dialect", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt", show_default=True)
+@click.option("--recipe", type=click.Choice(["te", "modelopt"]), default="te", show_default=True,
+              help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's.")
+@click.option("--weight-only", "input_mode", flag_value="weight-only",
+              help="W4A16: no activation scales; engines run weight-only NVFP4 (the default).")
+@click.option("--input-scale", "input_scale", type=click.Choice(["unit"]),
+              help="unit: W4A4 with input scale 1.0 (for engines in per-token activation mode).")
+@click.option("--input-scales-from", type=click.Path(), default=None, metavar="CKPT",
+              help="W4A4 with calibrated input scales copied from an NVFP4 checkpoint of the same model.")
+@click.option("--experts-only", is_flag=True, help="Quantize only MoE experts; attention and dense layers stay BF16.")
+@handle_errors
+def nvfp4(input_mode, input_scale, input_scales_from, **kw):
+    """Convert SRC (directory or Hub repo id) to NVFP4 at DST."""
+    chosen = [m for m in (input_mode, input_scale and "unit", input_scales_from and "copied") if m]
+    if len(chosen) > 1:
+        raise click.UsageError("pass at most one of --weight-only, --input-scale unit, --input-scales-from")
+    mode = chosen[0] if chosen else "weight-only"
+    result = _run_convert("nvfp4", input_mode=mode, input_scales_from=input_scales_from, **kw)
+    click.echo({"weight-only": "  activations       : W4A16 (weights only; no input scales) -- the safe default",
+                "unit": "  activations       : W4A4, input scale 1.0 (run the engine in per-token activation mode)",
+                "copied": f"  activations       : W4A4, input scales copied from {input_scales_from}"}[mode])
+    return result
+
+
+@main.command()
+@plan_options
+@layout_options
+@handle_errors
+def bf16(**kw):
+    """Copy SRC to DST in BF16, with MoE experts pre-shuffled (use with --layout flashinfer-trtllm)."""
+    if not kw.get("layout"):
+        raise click.UsageError("qconvert bf16 only re-lays out experts: pass --layout flashinfer-trtllm")
+    _run_convert("bf16", **kw)
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@handle_errors
+def unshuffle(src, dst, force):
+    """Invert a pre-shuffled (--layout) checkpoint SRC back to the plain checkpoint at DST, bit-exact."""
+    from .convert.unshuffle import unshuffle_checkpoint
+
+    res = unshuffle_checkpoint(src, dst, force=force)
+    click.echo(f"unshuffled {res['layers']} MoE layers ({res['tensors']} tensors) into {dst}")
 
 
 @main.command()

@@ -36,6 +36,10 @@ from .safetensors_io import ShardReader, ShardWriter
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
+NVFP4_SCALE_RULE = {
+    "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
+    "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
+}
 MXFP8_ZERO_POLICY = "E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 (all-zero blocks) differ from online quantizers"
 
 
@@ -51,6 +55,14 @@ class ConvertOptions:
     progress: bool | None = None  # None: on a terminal only
     queue_bytes: int = 1 << 30  # read-ahead bound
     fsync: bool = True
+    recipe: str = "te"  # NVFP4: te | modelopt
+    input_mode: str = "weight-only"  # NVFP4: weight-only (W4A16) | unit | copied
+    input_scales_from: str | None = None  # NVFP4: checkpoint to copy calibrated input scales from
+    layout: str | None = None  # "flashinfer-trtllm": MoE experts pre-shuffled (layout_jobs.py)
+    engine: str = "vllm"  # layout target engine: vllm | sglang
+    tp: int = 1
+    ep: int = 1
+    _layout_layers: dict = field(default_factory=dict, repr=False)  # filled by build_jobs
     resume: bool = False  # continue an interrupted run from its journal (resume.py)
 
 
@@ -122,18 +134,120 @@ def _mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
     return Job([tp.name], outs, fn, "mxfp8")
 
 
+def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: dict | None, check_finite: bool) -> Job:
+    """One job per fused group: members share one global scale (max amax over the group)."""
+    from .numerics.nvfp4 import nvfp4_quantize
+
+    outs_of = {tp.name: dialects.nvfp4_out_tensors(tp.module, tp.shape, dialect, opts.input_mode) for tp in members}
+    device = opts.device
+
+    def fn(src):
+        xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
+        amaxes = {n: x.abs().amax().float() for n, x in xs.items()}
+        g = torch.stack(list(amaxes.values())).amax()
+        if check_finite and not bool(torch.isfinite(g)):
+            bad = next(n for n, a in amaxes.items() if not bool(torch.isfinite(a)))
+            raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        result = {}
+        for n, x in xs.items():
+            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe)
+            outs = outs_of[n]
+            mod = n[: -len(".weight")]
+            result[outs[0].name] = packed.cpu()
+            result[outs[1].name] = scale.cpu()
+            if dialect == "modelopt":
+                result[outs[2].name] = scale_2.cpu().reshape(())
+            else:
+                enc = (torch.tensor(2688.0) / g.cpu()) if bool(g > 0) else torch.tensor(1.0)
+                result[outs[2].name] = enc.float().reshape(1)
+            if len(outs) > 3:
+                dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
+                result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
+        return result
+    return Job([tp.name for tp in members], [o for tp in members for o in outs_of[tp.name]], fn, "nvfp4")
+
+
+def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
+    """Calibrated activation scales (decode convention) from an existing NVFP4 checkpoint."""
+    from .safetensors_io import read_header
+    root = Path(path).expanduser()
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        h = read_header(f)
+        names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
+        if not names:
+            continue
+        with ShardReader(h, hash_file=False) as r:
+            for n in names:
+                e = h.entries[n]
+                if e.dtype not in ("F32", "BF16", "F16") or len(e.shape) > 1 or (e.shape and e.shape[0] != 1):
+                    raise CheckpointError(f"{f}: tensor {n!r} has dtype {e.dtype} shape {list(e.shape)}; expected a scalar fp32 input scale")
+                v = r.read(n).float().reshape(())
+                if n.endswith(".input_global_scale"):
+                    mod, v = n[: -len(".input_global_scale")], 1.0 / v
+                else:
+                    mod = n[: -len(".input_scale")]
+                if not bool(torch.isfinite(v)) or not bool(v > 0):
+                    raise CheckpointError(f"{f}: input scale {n!r} is {v.item()}; expected a finite positive value")
+                found[mod] = v
+    if not found:
+        raise CheckpointError(f"{root}: holds no input_scale / input_global_scale tensors; it is not a W4A4 NVFP4 checkpoint")
+    missing = [m for m in modules if m not in found]
+    if missing:
+        raise CheckpointError(f"{root}: no input scale for {missing[0]!r} ({len(missing)} of {len(modules)} modules missing); "
+                              "the checkpoints differ in architecture or exclusions")
+    return {m: found[m] for m in modules}
+
+
 def build_jobs(ckpt: Checkpoint, plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> list[Job]:
     from .safetensors_io import DTYPES
     jobs = []
     check = not opts.allow_non_finite
     entries = ckpt.tensors
+    input_scales = None
+    if scheme == "nvfp4":
+        if opts.input_mode not in dialects.NVFP4_INPUT_MODES:
+            raise QConvertError(f"unknown input-scale mode {opts.input_mode!r}")
+        if opts.input_mode == "copied":
+            if not opts.input_scales_from:
+                raise QConvertError("input mode 'copied' needs --input-scales-from CKPT")
+            input_scales = load_input_scales(opts.input_scales_from, [t.module for t in plan.quantized])
+    groups: dict[str, list] = {}
+    in_layout: set[str] = set()
+    if opts.layout:
+        from . import layout_jobs
+        if opts.layout != "flashinfer-trtllm":
+            raise QConvertError(f"unknown layout {opts.layout!r}; the only layout is flashinfer-trtllm")
+        layers = layout_jobs.expert_layers(plan)
+        if not layers:
+            raise QConvertError("--layout flashinfer-trtllm: this model has no MoE experts to pre-shuffle")
+        opts._layout_layers = {}
+        for prefix, members in layers.items():
+            acts = {t.action for t in members}
+            lscheme = scheme if acts == {QUANTIZE} else "bf16"
+            opts._layout_layers[prefix] = lscheme
+            jobs.append(layout_jobs.moe_layer_job(prefix, members, lscheme, opts.engine, opts.tp, opts.ep, opts,
+                                                  input_scales, Job))
+            in_layout |= {t.name for t in members}
     for name, tp in plan.tensors.items():
+        if name in in_layout:
+            continue
         if tp.action == KEEP:
             jobs.append(_keep_job(name, DTYPES[entries[name].dtype][0], tp.shape, check))
         elif scheme == "mxfp8":
             jobs.append(_mxfp8_job(tp, dialect, opts.device, check))
+        elif scheme == "nvfp4":
+            if tp.group:
+                groups.setdefault(tp.group, []).append(tp)
+            else:
+                jobs.append(_nvfp4_group_job([tp], dialect, opts, input_scales, check))
         else:
             raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    for members in groups.values():
+        jobs.append(_nvfp4_group_job(members, dialect, opts, input_scales, check))
     return jobs
 
 
@@ -472,9 +586,14 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
     config = dict(ckpt.config)
     if scheme == "mxfp8":
         qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
+    elif scheme == "nvfp4":
+        qcfg, extra = dialects.nvfp4_quant_config(plan.exclusions, dialect, opts.input_mode)
+    elif scheme == "bf16":
+        qcfg, extra = None, {}
     else:
         raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
-    config["quantization_config"] = qcfg
+    if qcfg is not None:
+        config["quantization_config"] = qcfg
     _write_json(tmp / "config.json", config)
     for fname, obj in extra.items():
         _write_json(tmp / fname, obj)
@@ -510,6 +629,17 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
         manifest["scale_rule"] = MXFP8_SCALE_RULE
         manifest["zero_block_scale_byte"] = 1
         manifest["zero_block_policy"] = MXFP8_ZERO_POLICY
+    if scheme == "nvfp4":
+        manifest["recipe"] = opts.recipe
+        manifest["scale_rule"] = NVFP4_SCALE_RULE[opts.recipe]
+        manifest["global_scale"] = ("weight_scale_2 = group amax / 2688 (decode)" if dialect == "modelopt"
+                                    else "weight_global_scale = 2688 / group amax (encode)")
+        manifest["fused_groups_share_global_scale"] = ["q/k/v", "dense gate/up", "expert gate/up"]
+        manifest["activations"] = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
+                                   "copied": f"W4A4 with input scales copied from {opts.input_scales_from}"}[opts.input_mode]
+    if opts.layout:
+        from .layout_jobs import layout_manifest
+        manifest["layout"] = layout_manifest(plan, opts._layout_layers, opts.engine, opts.tp, opts.ep)
     for name, tp in plan.tensors.items():
         if tp.module is None:
             continue

@@ -234,8 +234,10 @@ class ShardWriter:
         self.path = Path(path)
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         off = 0
-        self._specs = {}
+        self._specs: dict = {}
         for name, dtype, shape in specs:
+            if name in self._specs:
+                raise AssertionError(f"internal: tensor {name!r} planned twice in {self.path}")
             if dtype not in TORCH_TO_TAG:
                 raise OutputError(f"{self.path}: tensor {name!r} has dtype {dtype} that safetensors cannot store")
             nbytes = math.prod(shape) * DTYPES[TORCH_TO_TAG[dtype]][1]

@@ -1,0 +1,133 @@
+"""Invert a pre-shuffled (``--layout flashinfer-trtllm``) checkpoint back to the plain one.
+
+Shard by shard: every tensor of one MoE layer's layout job sits in one shard (see
+:mod:`layout_jobs`), so a shard is read whole, its layout tensors are turned back into
+per-expert HF tensors with :func:`layouts.trtllm.untransform_moe_layer`, and the rest is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, OutputError
+from .checkpoint import INDEX_NAME
+from .layout_jobs import parse_rank_tag
+from .layouts import trtllm
+from .safetensors_io import ShardReader, ShardWriter, read_header
+
+
+def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
+    src, dst = Path(src), Path(dst).absolute()
+    man_path = src / "qconvert.json"
+    try:
+        manifest = json.loads(man_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{man_path}: missing; unshuffle needs a checkpoint written by qconvert --layout") from None
+    layout = manifest.get("layout")
+    if not layout:
+        raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its qconvert.json has no layout section)")
+    if dst.exists() and not force:
+        raise OutputError(f"{dst}: already exists; choose another DST or pass --force")
+    engine, tp, ep = layout["engine"], layout["tp"], layout["ep"]
+    dialect = manifest.get("dialect")
+    scale_suffix = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
+    layer_scheme: dict[str, str] = layout["layers"]
+    contracts = layout["contracts"]
+    for sch in set(layer_scheme.values()):
+        if sch == "nvfp4" and dialect == "compressed-tensors":
+            raise CheckpointError(f"{src}: compressed-tensors NVFP4 stores 2688/amax, which the layout's decode-convention "
+                                  "scalars cannot give back bit-exactly; re-convert from BF16 (or use --dialect modelopt)")
+        if sch == "nvfp4" and engine == "vllm":
+            raise CheckpointError(f"{src}: NVFP4 experts laid out for vLLM fold the activation scales into the global "
+                                  "scales (layouts.md), so the plain scales cannot be recovered; re-convert from BF16")
+
+    tmp = dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    n_layers = n_tensors = 0
+    weight_map: dict[str, str] = {}
+    total = 0
+    try:
+        for f in sorted(src.glob("*.safetensors")):
+            h = read_header(f)
+            tensors: dict[str, torch.Tensor] = {}
+            with ShardReader(h, hash_file=False) as r:
+                for e, t in r.iter_tensors():
+                    tensors[e.name] = t
+            ranks: dict[str, dict[tuple[int, int], dict[str, torch.Tensor]]] = {}
+            first_pos: dict[str, int] = {}
+            plain_out: list[tuple[str, torch.Tensor]] = []
+            for pos, (name, t) in enumerate(tensors.items()):
+                parts = name.split(".")
+                rq = None
+                for i, p in enumerate(parts):
+                    rq = parse_rank_tag(p)
+                    if rq is not None:
+                        prefix, param = ".".join(parts[:i]), ".".join(parts[i + 1:])
+                        break
+                if rq is None:
+                    plain_out.append((name, t))
+                    continue
+                ranks.setdefault(prefix, {}).setdefault(rq, {})[param] = t
+                first_pos.setdefault(prefix, len(plain_out))
+                plain_out.append((f"\0{prefix}", None))
+            expanded: list[tuple[str, torch.Tensor]] = []
+            for name, t in plain_out:
+                if t is not None:
+                    expanded.append((name, t))
+                    continue
+                prefix = name[1:]
+                if any(n == name for n, _ in expanded):
+                    continue  # this layer was expanded at its first tensor
+                scheme = layer_scheme.get(prefix)
+                if scheme is None:
+                    raise CheckpointError(f"{f}: layout tensors of {prefix} are not listed in the manifest")
+                c = contracts[scheme]
+                got = ranks[prefix]
+                if len(got) != tp * ep:
+                    raise CheckpointError(f"{f}: {prefix} has {len(got)} of {tp * ep} ranks; the shard is incomplete")
+                plain = trtllm.untransform_moe_layer(got, scheme, engine, intermediate_size=c["intermediate_size"],
+                                                     hidden_size=c["hidden_size"], tp=tp, ep=ep)
+                per_expert = trtllm.unstack_hf_experts(plain, prefix, scale_suffix=scale_suffix)
+                if scheme == "nvfp4" and dialect == "modelopt":
+                    per_expert = {k: (v.reshape(()) if k.endswith(("weight_scale_2", "input_scale")) else v)
+                                  for k, v in per_expert.items()}
+                # natural order: expert, then gate/up/down, then suffix
+                def key(k):
+                    rest = k[len(prefix) + 1:].split(".")
+                    return (int(rest[0]), ["gate_proj", "up_proj", "down_proj"].index(rest[1]), rest[2])
+                for k in sorted(per_expert, key=key):
+                    expanded.append((k, per_expert[k].contiguous()))
+                expanded.append((name, None))  # marker: done
+                n_layers += 1
+            final = [(n, t) for n, t in expanded if t is not None]
+            w = ShardWriter(tmp / f.name, [(n, t.dtype, tuple(t.shape)) for n, t in final])
+            for n, t in final:
+                w.write(n, t)
+                weight_map[n] = f.name
+                total += t.numel() * t.element_size()
+                n_tensors += 1
+            w.close()
+        for p in sorted(src.iterdir()):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, "qconvert.json"):
+                shutil.copy2(p, tmp / p.name)
+        if (src / INDEX_NAME).exists():
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        manifest = dict(manifest)
+        manifest.pop("layout")
+        manifest["unshuffled_from"] = str(src)
+        manifest.pop("outputs", None)
+        (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"layers": n_layers, "tensors": n_tensors}
