@@ -249,23 +249,33 @@ extern "C" __global__ void nv_mxfp8(const unsigned short* x, long long nblocks,
 """
 
 
-def build_cuda_oracle():
+def build_cuda_oracle(ftz: bool):
+    """Compile KERNELS with NVRTC. TE builds its NVFP4 kernels without fast math (no
+    flush-to-zero); FlashInfer's JIT adds -use_fast_math (so -ftz=true) by default, which
+    changes results only where fp32 subnormals occur. ``ftz`` picks which to emulate."""
     import cupy
 
     incs = []
     for c in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", "/usr/local/cuda-13.0"):
         if c and os.path.exists(os.path.join(c, "include", "cuda_fp4.h")):
             incs.append(os.path.join(c, "include"))
-    opts = tuple(f"-I{i}" for i in incs) + ("--std=c++17", "--fmad=false")
+    opts = tuple(f"-I{i}" for i in incs) + (
+        "--std=c++17", "--fmad=false", "-prec-div=true", f"-ftz={'true' if ftz else 'false'}")
     mod = cupy.RawModule(code=KERNELS, options=opts)
     return cupy, mod.get_function("nv_te_nvfp4"), mod.get_function("nv_mxfp8")
 
 
 def check_cuda_conversions(cases) -> None:
+    for ftz in (False, True):
+        check_cuda_conversions_one(cases, ftz)
+
+
+def check_cuda_conversions_one(cases, ftz: bool) -> None:
+    ref = "cuda-conv-ftz" if ftz else "cuda-conv"
     try:
-        cupy, te_k, mx_k = build_cuda_oracle()
+        cupy, te_k, mx_k = build_cuda_oracle(ftz)
     except Exception as e:
-        note(f"CuPy/NVRTC oracle unavailable: {e!r}")
+        note(f"CuPy/NVRTC oracle ({ref}) unavailable: {e!r}")
         return
     for name, x in cases.items():
         xc = x.cuda().contiguous()
@@ -278,7 +288,7 @@ def check_cuda_conversions(cases) -> None:
         te_k(((nb + 255) // 256,), (256,),
              (xi, cupy.int64(nb), cupy.float32(g), packed, scales))
         mp, ms, _ = nvfp4_quantize(xc, recipe="te")
-        compare_nvfp4("cuda-conversions", name, "te", mp, ms,
+        compare_nvfp4(ref, name, "te", mp, ms,
                       torch.as_tensor(packed, device="cuda").reshape(*x.shape[:-1], k // 2),
                       torch.as_tensor(scales, device="cuda"))
         nb32 = x.numel() // 32
@@ -286,7 +296,7 @@ def check_cuda_conversions(cases) -> None:
         s = cupy.empty(nb32, dtype=cupy.uint8)
         mx_k(((nb32 + 255) // 256,), (256,), (xi, cupy.int64(nb32), q, s))
         mq, msc = mxfp8_quantize(xc)
-        compare_mxfp8("cuda-conversions", name, x, mq, msc,
+        compare_mxfp8(ref, name, x, mq, msc,
                       torch.as_tensor(q, device="cuda").view(torch.float8_e4m3fn).reshape(x.shape),
                       torch.as_tensor(s, device="cuda"))
 
@@ -339,9 +349,11 @@ def throughput(rows: int, cols: int, iters: int, vllm_path) -> None:
 
 
 def print_tables() -> None:
-    print("\nbyte mismatches (diff / compared)")
+    print("\nbyte mismatches (diff / compared); rows with diff 0 are only in the JSON")
     print(f"{'reference':18} {'format':15} {'case':22} {'what':9} {'diff':>9} {'total':>11}  note")
     for r in RESULTS["mismatch"]:
+        if r["diff"] == 0:
+            continue
         print(f"{r['ref']:18} {r['fmt']:15} {r['case']:22} {r['what']:9} {r['diff']:9d} "
               f"{r['total']:11d}  {r['extra']}")
     tot = {}
