@@ -576,8 +576,10 @@ def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool 
            log: Callable[[str], None] | None = None, engine: str | None = None) -> VerifyReport:
     """Verify checkpoint ``dst`` against its BF16 source ``src``. Never raises for a failed check:
     failures are in ``report.failures`` (``report.ok`` is False)."""
-    v = _Verifier(src, dst, max_rel_err, progress, log or (lambda s: None))
-    rep = v.run()
+    rep = _verify_layout(src, dst, max_rel_err, progress, log)
+    if rep is None:
+        v = _Verifier(src, dst, max_rel_err, progress, log or (lambda s: None))
+        rep = v.run()
     if engine:
         rep.engine = engine_compare(src, dst, engine, log or (lambda s: None))
         if rep.engine.get("error"):
@@ -587,6 +589,36 @@ def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool 
             rep.checks["engine"] = "ok"
         else:
             rep.checks["engine"] = "skipped: " + rep.engine["message"]
+    return rep
+
+
+def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
+    """A pre-shuffled checkpoint is verified through its exact inverse: unshuffle it into a temporary
+    directory (bit-exact, see convert/unshuffle.py) and verify that plain checkpoint. None when
+    ``dst`` has no qconvert layout or the inverse is not available for it (then the structural
+    checks report the layout tensors as not decodable)."""
+    import json as _json
+    import tempfile
+
+    try:
+        man = _json.loads((Path(dst) / "qconvert.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(man, dict) or not man.get("layout"):
+        return None
+    from .convert.unshuffle import unshuffle_checkpoint
+    from .errors import QConvertError as _QE
+
+    with tempfile.TemporaryDirectory(prefix="qconvert-verify-") as td:
+        plain = Path(td) / "plain"
+        try:
+            unshuffle_checkpoint(dst, plain)
+        except _QE as e:
+            (log or (lambda s: None))(f"layout not invertible here ({e}); checking structure only")
+            return None
+        rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
+    rep.dst = str(dst)
+    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {man['layout'].get('name')}, then verified)"
     return rep
 
 

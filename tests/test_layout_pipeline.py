@@ -111,3 +111,26 @@ def test_layout_refusals(demo_moe, demo_dense, tmp_path):
     assert res.exit_code != 0 and "--layout" in res.output
     res = r.invoke(main, ["unshuffle", str(demo_moe), str(tmp_path / "e")])
     assert res.exit_code == 1 and "qconvert.json" in res.output
+
+
+def test_verify_checks_layout_values(demo_moe, tmp_path):
+    """verify decodes a pre-shuffled checkpoint through unshuffle and catches a corrupted scale byte."""
+    from safetensors.torch import load_file, save_file
+
+    from qconvert.verify import verify
+
+    lay = tmp_path / "layout"
+    r = CliRunner()
+    assert r.invoke(main, ["mxfp8", str(demo_moe), str(lay), "--layout", "flashinfer-trtllm", "--no-progress"]).exit_code == 0
+    rep = verify(str(demo_moe), str(lay))
+    assert rep.ok, rep.failures
+    assert rep.checks["layout"].startswith("ok") and len(rep.tensors) == 4 * (4 + 8 * 3)
+    name = "model.layers.1.mlp.experts.trtllm.w2_weight_scale"
+    shard = next(f for f in lay.glob("*.safetensors") if name in load_file(f))
+    t = load_file(shard)
+    t[name] = t[name].clone()
+    t[name].view(-1)[5] += 3  # one E8M0 byte: that block decodes 8x too large
+    save_file(t, shard)
+    rep = verify(str(demo_moe), str(lay))
+    assert not rep.ok
+    assert any("model.layers.1.mlp.experts." in f and "down_proj" in f for f in rep.failures), rep.failures

@@ -122,7 +122,15 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
         manifest = dict(manifest)
         manifest.pop("layout")
         manifest["unshuffled_from"] = str(src)
-        manifest.pop("outputs", None)
+        import hashlib
+        shas = {}
+        for f in sorted(tmp.glob("*.safetensors")):
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+            shas[f.name] = h.hexdigest()
+        manifest["outputs"] = {"sha256": shas}
         (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if dst.exists():
             shutil.rmtree(dst)
