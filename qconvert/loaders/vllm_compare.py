@@ -105,7 +105,9 @@ def run_in_vllm(
             timeout=timeout,
         )
         if proc.returncode != 0 or not out_path.exists():
-            tail = (proc.stderr or "")[-4000:]
+            err = proc.stderr or ""
+            steps = [ln for ln in err.splitlines() if ln.startswith("[vllm_compare]")]
+            tail = "\n".join(steps[-3:]) + "\n...\n" + err[-4000:]
             raise VllmRunError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")
         result = json.loads(out_path.read_text())
     result["stderr_tail"] = proc.stderr[-4000:]
@@ -224,7 +226,9 @@ def _worker(spec_path: str, out_path: str) -> None:
         tok = AutoTokenizer.from_pretrained(spec["jobs"][0]["model"])
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
     k = spec["top_k"]
-    gen_params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=k)
+    gen_params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], logprobs=k, ignore_eos=True
+    )
     score_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     score_seqs = spec["score_sequences"]
     result: dict[str, Any] = {"prompt_ids": prompts, "jobs": []}
@@ -260,12 +264,14 @@ def _worker(spec_path: str, out_path: str) -> None:
             max_num_seqs=8,
         )
         kwargs.update(spec["llm_kwargs"])
+        print(f"[vllm_compare] loading {job['model']}", file=sys.stderr, flush=True)
         llm = LLM(**kwargs)
         entry: dict[str, Any] = {"model": job["model"], "stages": []}
         if job.get("inspect"):
             entry["layers"] = llm.collective_rpc(_layer_quant_methods)[0]
         entry["stages"].append(run_stage(llm, job["model"]))
         for r in job.get("reload", []):
+            print(f"[vllm_compare] reload_weights {r}", file=sys.stderr, flush=True)
             llm.collective_rpc("reload_weights", kwargs={"weights_path": r})
             entry["stages"].append(run_stage(llm, r))
         result["jobs"].append(entry)

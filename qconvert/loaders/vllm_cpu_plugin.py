@@ -142,6 +142,7 @@ def _build_classes():
         EmulationNvFp4LinearKernel,
         NvFp4LinearLayerConfig,
     )
+    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
     from vllm.model_executor.layers.quantization import modelopt as mo
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
         dequant_mxfp8_to_bf16,
@@ -152,7 +153,7 @@ def _build_classes():
         ref_nvfp4_quant_dequant,
     )
 
-    class TorchMxfp8MoEMethod(mo.ModelOptMxFp8FusedMoE):
+    class CpuModelOptMxFp8FusedMoE(mo.ModelOptMxFp8FusedMoE):
         """ModelOpt MXFP8 MoE with plain-torch experts (weights dequantized once at load)."""
 
         def __init__(self, quant_config, moe_config):
@@ -195,7 +196,9 @@ def _build_classes():
                 layer.apply_router_weight_on_input,
             )
 
-    class TorchNvfp4MoEMethod(mo.ModelOptNvFp4FusedMoE):
+    # NB: the class names must contain "ModelOpt": vLLM's RoutedExperts.weight_loader picks the
+    # ModelOpt scale-loading branch by ``"ModelOpt" in type(quant_method).__name__``.
+    class CpuModelOptNvFp4FusedMoE(mo.ModelOptNvFp4FusedMoE):
         """ModelOpt NVFP4 MoE with plain-torch experts.
 
         Weights: dequantized once at load, gate and up each with their own ``weight_scale_2``
@@ -306,7 +309,9 @@ def _build_classes():
         def apply_weights(self, layer, x, bias=None):
             return torch.nn.functional.linear(x, layer._qc_weight.to(x.dtype), bias)
 
-    class TorchNvfp4W4A16LinearMethod(mo.ModelOptLinearMethod):
+    # weight_loader_v2 is chosen by class name: register ours like vLLM registers its own.
+    @register_weight_loader_v2_supported_method
+    class CpuModelOptNvFp4W4A16LinearMethod(mo.ModelOptLinearMethod):
         """vLLM's ModelOpt linear method with the CPU W4A16 kernel instead of Marlin."""
 
         def create_weights(
@@ -332,12 +337,12 @@ def _build_classes():
     class CpuMxfp8Config(mo.ModelOptMxFp8Config):
         """ModelOpt MXFP8 config whose MoE layers run plain-torch experts."""
 
-        FusedMoEMethodCls = TorchMxfp8MoEMethod
+        FusedMoEMethodCls = CpuModelOptMxFp8FusedMoE
 
     class CpuNvfp4Config(mo.ModelOptNvFp4Config):
         """ModelOpt NVFP4 config: plain-torch MoE experts and a CPU W4A16 linear kernel."""
 
-        FusedMoEMethodCls = TorchNvfp4MoEMethod
+        FusedMoEMethodCls = CpuModelOptNvFp4FusedMoE
 
         def get_quant_method(self, layer, prefix):
             method = super().get_quant_method(layer, prefix)
@@ -346,7 +351,7 @@ def _build_classes():
                 and isinstance(method, mo.ModelOptLinearMethod)
                 and method.spec.weight == mo.kNvfp4Static
             ):
-                method = TorchNvfp4W4A16LinearMethod(method.spec, method.ctx, method.fmt)
+                method = CpuModelOptNvFp4W4A16LinearMethod(method.spec, method.ctx, method.fmt)
             return method
 
     return CpuMxfp8Config, CpuNvfp4Config
