@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""CPU conversion benchmark: qconvert vs the I/O floor vs peers, as ratios measured in one run.
+
+Every figure is a whole process, started fresh (interpreter and torch import included), timed by
+wall clock, with its peak resident memory read from the kernel's accounting of that process
+(``wait4``) and, for peers that fork workers, the peak sum over its process tree (polled).
+
+The I/O floor is a process that reads the same safetensors (same reader strategy: tensor by
+tensor with ``readinto``, in file order, on a reader thread) and writes the same number of
+output bytes per shard (``pwrite`` on a writer thread), with no compute at all. Floor and
+qconvert runs alternate (F Q F Q ...), and each ratio is taken pair by pair, so a machine whose
+speed drifts (shared CPUs) still gives a fair ratio; the table shows the median and range.
+
+    python scripts/bench_convert.py --layers 4 --shard-gb 2 --repeat 3 --peers llmc,autoround --rss-sweep
+
+Targets (issue 7): qconvert / floor <= 1.4; peak RSS <= 2 x largest input shard + 1 GiB and
+about the same for 1 shard vs many and for 2x vs 4x layers; peers at least 3x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import queue
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GiB = 1 << 30
+
+
+# ---- the floor process ---------------------------------------------------------------------------
+
+def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: int = GiB):
+    """Read every tensor of every shard of SRC; write len(output shard) bytes per shard to DST."""
+    import torch  # the converter pays this start-up too
+
+    from qconvert.convert.safetensors_io import read_header
+
+    sizes = json.loads(sizes_json)
+    root, out = Path(src), Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = sorted(root.glob("*.safetensors"))
+    q: queue.Queue = queue.Queue()
+    inflight = [0]
+    cond = threading.Condition()
+
+    def reader():
+        for p in shards:
+            h = read_header(p)
+            ratio = sizes[p.name] / h.file_size
+            q.put(("open", p.name, sizes[p.name]))
+            with open(p, "rb", buffering=0) as f:
+                for e in h.entries.values():
+                    with cond:
+                        while inflight[0] and inflight[0] + e.nbytes > queue_bytes:
+                            cond.wait()
+                        inflight[0] += e.nbytes
+                    t = torch.empty(e.nbytes, dtype=torch.uint8)
+                    buf = memoryview(t.numpy())
+                    f.seek(e.start)
+                    got = 0
+                    while got < e.nbytes:
+                        got += f.readinto(buf[got:])
+                    q.put(("data", buf[: int(e.nbytes * ratio)], e.nbytes))
+            q.put(("close", None, 0))
+        q.put(None)
+
+    def writer():
+        fd, pos, size = None, 0, 0
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            kind, a, b = item
+            if kind == "open":
+                fd = os.open(out / a, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                pos, size = 0, b
+            elif kind == "data":
+                n = min(len(a), size - pos)
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, a[done:n], pos + done)
+                pos += n
+                with cond:
+                    inflight[0] -= b
+                    cond.notify()
+            else:
+                if pos < size:  # header bytes and rounding: same file size as the converter's
+                    os.pwrite(fd, bytes(size - pos), pos)
+                if fsync:
+                    os.fsync(fd)
+                os.close(fd)
+
+    rt = threading.Thread(target=reader)
+    wt = threading.Thread(target=writer)
+    rt.start()
+    wt.start()
+    rt.join()
+    wt.join()
+
+
+def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu"):
+    from qconvert.convert.pipeline import ConvertOptions, convert
+    from qconvert.convert.plan import PlanOptions
+
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, force=True,
+                          progress=False, fsync=fsync)
+    convert(src, dst, scheme, opts)
+
+
+# ---- running and measuring processes ----------------------------------------------------------------
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        procs = [p] + p.children(recursive=True)
+    except psutil.Error:
+        return 0
+    total = 0
+    for c in procs:
+        try:
+            total += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_measured(cmd: list[str], env: dict | None = None, log: Path | None = None, timeout: float = 3600) -> dict:
+    """Run cmd; wall seconds, CPU seconds, peak RSS of the process (wait4) and of its tree (polled)."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+                         env={**os.environ, **(env or {})})
+    peak_tree = [0]
+    done = threading.Event()
+
+    def poll():
+        while not done.wait(0.2):
+            peak_tree[0] = max(peak_tree[0], _tree_rss(p.pid))
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        _, status, ru = os.wait4(p.pid, 0)
+    finally:
+        done.set()
+        th.join()
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if log:
+        out.close()
+    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "rss": ru.ru_maxrss * 1024,
+            "rss_tree": max(peak_tree[0], ru.ru_maxrss * 1024), "rc": p.returncode}
+
+
+def _shard_sizes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(d.glob("*.safetensors"))}
+
+
+def _rm(p: Path):
+    shutil.rmtree(p, ignore_errors=True)
+    for q in p.parent.glob(f".{p.name}.qconvert-*"):
+        shutil.rmtree(q, ignore_errors=True)
+
+
+def _py() -> list[str]:
+    return [sys.executable, str(HERE / "bench_convert.py")]
+
+
+def cmd_floor(src, dst, sizes, fsync):
+    return _py() + ["_floor", str(src), str(dst), json.dumps(sizes)] + (["--fsync"] if fsync else [])
+
+
+def cmd_qconvert(scheme, src, dst, fsync):
+    return _py() + ["_qconvert", scheme, str(src), str(dst)] + (["--fsync"] if fsync else [])
+
+
+PEER_CODE = {
+    ("llmc", "mxfp8"): "MXFP8", ("llmc", "nvfp4"): "NVFP4A16", ("autoround", "mxfp8"): "MXFP8",
+}
+
+
+def cmd_peer(peer, scheme, src, dst, python):
+    if peer == "llmc":
+        code = ("from llmcompressor import model_free_ptq\n"
+                f"model_free_ptq({str(src)!r}, {str(dst)!r}, scheme={PEER_CODE[peer, scheme]!r}, "
+                "ignore=['lm_head', 're:.*mlp.gate$'], max_workers=2, device='cpu')")
+    else:
+        code = ("from auto_round import AutoRound\n"
+                f"AutoRound(model={str(src)!r}, scheme={PEER_CODE[peer, scheme]!r}, model_free=True)"
+                f".quantize_and_save({str(dst)!r})")
+    return [python, "-c", code]
+
+
+# ---- the benchmark -------------------------------------------------------------------------------
+
+def _gb(n): return f"{n / 1e9:.2f} GB"
+
+
+def _gib(n): return f"{n / GiB:.2f} GiB"
+
+
+def _ratio_cell(xs):
+    xs = sorted(xs)
+    return f"{statistics.median(xs):.2f} ({xs[0]:.2f}-{xs[-1]:.2f})" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    import torch
+    return (f"{platform.node()}: {os.cpu_count()} CPUs ({cpu}), {mem / GiB:.0f} GiB RAM, "
+            f"torch {torch.__version__}, Python {platform.python_version()}, load average {load:.1f} at start")
+
+
+def bench(a) -> dict:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "bench.log"
+    results = {"date": _dt.date.today().isoformat(), "machine": machine(), "argv": sys.argv, "runs": []}
+    src = Path(a.src) if a.src else work / f"synth-{a.layers}L-{a.shard_gb:g}gb"
+    made = []
+    if not a.src and not src.exists():
+        subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), str(src), "--layers", str(a.layers),
+                        "--shard-gb", str(a.shard_gb)], check=True)
+        made.append(src)
+    in_sizes = _shard_sizes(src)
+    bytes_in = sum(in_sizes.values())
+    results["input"] = {"path": str(src), "bytes": bytes_in, "shards": len(in_sizes),
+                        "largest_shard": max(in_sizes.values())}
+    schemes = [s for s in a.schemes.split(",") if s]
+    peers = [p for p in a.peers.split(",") if p]
+    rows = []
+
+    def record(label, kind, scheme, m, extra=None):
+        m = {**m, "label": label, "kind": kind, "scheme": scheme, **(extra or {})}
+        results["runs"].append(m)
+        print(f"  {label:<34} {scheme:<6} wall {m['wall']:7.2f} s  cpu {m['cpu']:7.2f} s  "
+              f"rss {_gib(m['rss'])}  rc {m['rc']}", flush=True)
+        return m
+
+    try:
+        for scheme in schemes:
+            dst = work / f"out-{scheme}"
+            # warm-up: also fills the page cache and gives the output shard sizes for the floor
+            m = run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log)
+            if m["rc"]:
+                raise SystemExit(f"qconvert {scheme} failed (rc {m['rc']}); see {log}")
+            out_sizes = _shard_sizes(dst)
+            bytes_out = sum(out_sizes.values())
+            _rm(dst)
+            fl, qc = [], []
+            for r in range(a.repeat):
+                fm = record(f"floor (read + write {_gb(bytes_out)})", "floor", scheme,
+                            run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync), log=log))
+                _rm(work / "out-floor")
+                qm = record("qconvert", "qconvert", scheme, run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log))
+                _rm(dst)
+                fl.append(fm)
+                qc.append(qm)
+            ratios = [q["wall"] / f["wall"] for f, q in zip(fl, qc)]
+            row = {"scheme": scheme, "bytes_out": bytes_out,
+                   "floor_wall": statistics.median(f["wall"] for f in fl),
+                   "qconvert_wall": statistics.median(q["wall"] for q in qc),
+                   "ratio": ratios, "floor_rss": max(f["rss"] for f in fl), "qconvert_rss": max(q["rss"] for q in qc),
+                   "qconvert_cpu": statistics.median(q["cpu"] for q in qc), "floor_cpu": statistics.median(f["cpu"] for f in fl),
+                   "peers": {}}
+            for peer in peers:
+                if (peer, scheme) not in PEER_CODE:
+                    row["peers"][peer] = {"note": "scheme not supported in its model-free mode"}
+                    continue
+                pdst = work / f"out-{peer}-{scheme}"
+                _rm(pdst)
+                pm = record(f"peer {peer}", peer, scheme, run_measured(cmd_peer(peer, scheme, src, pdst, a.peer_python), log=log,
+                                                                       env={"CUDA_VISIBLE_DEVICES": ""}))
+                pm["bytes_out"] = sum(_shard_sizes(pdst).values()) if pdst.exists() else 0
+                _rm(pdst)
+                row["peers"][peer] = pm
+            rows.append(row)
+        results["rows"] = rows
+
+        if a.rss_sweep:
+            results["rss_sweep"] = rss_sweep(a, work, log, record, made)
+    finally:
+        if not a.keep:
+            for p in made:
+                _rm(p)
+    return results
+
+
+def rss_sweep(a, work, log, record, made) -> list[dict]:
+    """Same layers as one shard vs many; 2x vs 4x layers (many shards)."""
+    base = max(1, a.sweep_layers)
+    variants = [(base, a.shard_gb), (base, 1000.0), (2 * base, a.shard_gb)]
+    out = []
+    for layers, shard_gb in variants:
+        src = work / f"synth-{layers}L-{shard_gb:g}gb"
+        if not src.exists():
+            subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), str(src), "--layers", str(layers),
+                            "--shard-gb", str(shard_gb)], check=True)
+            made.append(src)
+        sizes = _shard_sizes(src)
+        for scheme in a.schemes.split(","):
+            dst = work / f"out-sweep-{scheme}"
+            m = record(f"qconvert {layers}L {len(sizes)} shard(s)", "sweep", scheme,
+                       run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log))
+            _rm(dst)
+            largest = max(sizes.values())
+            out.append({"layers": layers, "shards": len(sizes), "bytes_in": sum(sizes.values()), "largest_shard": largest,
+                        "scheme": scheme, "rss": m["rss"], "limit": 2 * largest + GiB, "wall": m["wall"], "rc": m["rc"]})
+        if src in made and not a.keep:
+            _rm(src)
+            made.remove(src)
+    return out
+
+
+def report(res: dict, a) -> str:
+    L = []
+    L.append(f"### CPU conversion, {res['date']}")
+    L.append("")
+    L.append(f"Machine: {res['machine']}.")
+    inp = res["input"]
+    L.append(f"Input: {inp['path']} ({_gb(inp['bytes'])}, {inp['shards']} shards, largest {_gb(inp['largest_shard'])}); "
+             f"writes {'fsync-ed to disk' if a.fsync else 'to the page cache (no fsync: compute is exposed, not hidden behind the disk)'}.")
+    L.append("")
+    L.append("| scheme | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in res.get("rows", []):
+        L.append(f"| {r['scheme']} | {_gb(r['bytes_out'])} | {r['floor_wall']:.2f} s | {r['qconvert_wall']:.2f} s | "
+                 f"{_ratio_cell(r['ratio'])} | <= 1.4 | {_gib(r['floor_rss'])} | {_gib(r['qconvert_rss'])} | "
+                 f"{r['qconvert_cpu']:.1f} | {r['floor_cpu']:.1f} |")
+    peer_rows = [(r, p, m) for r in res.get("rows", []) for p, m in r["peers"].items()]
+    if peer_rows:
+        L.append("")
+        L.append("| scheme | peer | peer wall | peer / qconvert (wall) | peer peak RSS (process / tree) | qconvert peak RSS | peer output | rc / note |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for r, p, m in peer_rows:
+            if "wall" not in m:
+                L.append(f"| {r['scheme']} | {p} | - | - | - | - | - | {m['note']} |")
+                continue
+            L.append(f"| {r['scheme']} | {p} | {m['wall']:.1f} s | {m['wall'] / r['qconvert_wall']:.1f}x | "
+                     f"{_gib(m['rss'])} / {_gib(m['rss_tree'])} | {_gib(r['qconvert_rss'])} | {_gb(m['bytes_out'])} | "
+                     f"{m['rc']} |")
+    if res.get("rss_sweep"):
+        L.append("")
+        L.append("| scheme | layers | shards | input | largest shard | peak RSS | limit 2 x shard + 1 GiB | wall |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for s in res["rss_sweep"]:
+            L.append(f"| {s['scheme']} | {s['layers']} | {s['shards']} | {_gb(s['bytes_in'])} | {_gb(s['largest_shard'])} | "
+                     f"{_gib(s['rss'])} | {_gib(s['limit'])} | {s['wall']:.1f} s |")
+    L.append("")
+    L.append("Reproduce: `" + " ".join(shlex.quote(x) for x in ["python", "scripts/bench_convert.py"] + res["argv"][1:]) + "`")
+    L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync)[1:])}`, "
+             f"floor `{' '.join(shlex.quote(x) for x in cmd_floor('SRC', 'DST', {'...': 0}, a.fsync)[1:])}`)")
+    return "\n".join(L)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_floor":
+        floor_main(argv[1], argv[2], argv[3], "--fsync" in argv)
+        return
+    if argv and argv[0] == "_qconvert":
+        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", default="/tmp/qconvert-bench", help="scratch directory (synthetic input and outputs)")
+    ap.add_argument("--src", help="existing BF16 checkpoint (default: make a synthetic one)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--shard-gb", type=float, default=2.0)
+    ap.add_argument("--schemes", default="mxfp8,nvfp4")
+    ap.add_argument("--repeat", type=int, default=3, help="floor/qconvert pairs per scheme")
+    ap.add_argument("--peers", default="", help="comma list: llmc (llm-compressor model_free_ptq), autoround")
+    ap.add_argument("--peer-python", default="/work/venv-peers/bin/python", help="interpreter that has the peers installed")
+    ap.add_argument("--fsync", action="store_true", help="fsync outputs (qconvert's CLI default); then the disk dominates")
+    ap.add_argument("--rss-sweep", action="store_true", help="peak RSS: 1 shard vs many, 2x vs 4x layers")
+    ap.add_argument("--sweep-layers", type=int, default=2, help="smaller layer count of the sweep (doubled for the other)")
+    ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    a = ap.parse_args(argv)
+    res = bench(a)
+    text = report(res, a)
+    print()
+    print(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
