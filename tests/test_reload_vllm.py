@@ -49,13 +49,13 @@ def _convert(src: Path, dst: Path, last_n_bf16: int = 1) -> Path:
     return dst
 
 
-def _make_pair(root: Path, kind: str) -> tuple[Path, Path]:
+def _make_pair(root: Path, kind: str) -> tuple[Path, Path, Path]:
     arch, fmt = kind.split(":")
     a = build_demo_model(root / f"{arch}-a-bf16", arch=arch, seed=0)
     b = build_demo_model(root / f"{arch}-b-bf16", arch=arch, seed=1)
     if fmt == "bf16":
-        return a, b
-    return _convert(a, root / f"{arch}-a-{fmt}"), _convert(b, root / f"{arch}-b-{fmt}")
+        return a, b, b
+    return _convert(a, root / f"{arch}-a-{fmt}"), _convert(b, root / f"{arch}-b-{fmt}"), b
 
 
 class Server:
@@ -117,14 +117,14 @@ KINDS = ["qwen3:bf16", "qwen3-moe:bf16", "qwen3:mxfp8", "qwen3-moe:mxfp8"]
 def served(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind.replace(":", "-"))
-    a, b = _make_pair(root, kind)
+    a, b, b_src = _make_pair(root, kind)
     os.environ["QCONVERT_STATE_DIR"] = str(root / "state")
     t0 = time.perf_counter()
     srv = Server(a, root / "server.log")
     start_s = time.perf_counter() - t0
     try:
         original = srv.greedy()
-        yield {"kind": kind, "a": a, "b": b, "srv": srv, "original": original, "root": root,
+        yield {"kind": kind, "a": a, "b": b, "b_src": b_src, "srv": srv, "original": original, "root": root,
                "start_s": start_s}
     finally:
         srv.stop()
@@ -233,3 +233,32 @@ def test_truncated_shard_fails_with_server_message_and_rolls_back(served):
     assert requests.get(srv.url + "/is_paused", timeout=10).json()["is_paused"] is False
     assert srv.greedy() == served["original"], "after a failed reload the server must serve the old weights"
     assert requests.get(srv.url + "/weight_info", timeout=10).json()["weight_version"] == "A-before-broken"
+
+
+def test_refit_live_weights_equal_converted_reload(served):
+    """qconvert.refit quantizes B's BF16 weights on the trainer side, stages them in shared memory
+    and reloads them: the server's outputs equal reloading the converted B checkpoint."""
+    if served["kind"] != "qwen3-moe:mxfp8":
+        pytest.skip("run on the quantized MoE kind")
+    from safetensors.torch import load_file
+
+    from qconvert.convert.pipeline import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.loaders.refit import refit
+
+    srv = served["srv"]
+    os.environ["QCONVERT_SHM_ROOT"] = str(served["root"] / "shm")
+    reload_vllm([srv.url], served["b"], weight_version="B-converted")
+    want = srv.greedy()
+
+    def stream():
+        for f in sorted(served["b_src"].glob("*.safetensors")):
+            yield from load_file(f).items()
+
+    res = refit(stream(), reference=served["b_src"], urls=[srv.url], stage_name="policy",
+                options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
+                weight_version="B-refit")
+    assert res.reload[0].ok
+    assert srv.greedy() == want
+    reload_vllm([srv.url], served["a"], weight_version="A-after-refit")
+    assert srv.greedy() == served["original"]

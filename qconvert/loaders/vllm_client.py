@@ -26,7 +26,9 @@ Engine behaviour this client works around (vLLM 0.32.0, found in testing):
   a mixed MXFP8 checkpoint). Fix: start the server with
   ``--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension``; after every reload (and
   rollback) the client calls its ``qconvert_repack_cpu_moe``, which prepacks the reloaded experts
-  in place. Without the extension the client refuses to reload a MoE model on a CPU server, before
+  in place, and before a rollback its ``qconvert_clear_failed_reload`` drops what the failed
+  reload buffered for half-loaded layers (vLLM keeps those buffers and would mix stale tensors of
+  the failed checkpoint into the rollback). Without the extension the client refuses to reload a MoE model on a CPU server, before
   pausing it, and prints that flag. Experts whose intermediate size needs padding (not a multiple
   of 32) cannot be reloaded on CPU at all (the reload's shape check fails; rollback restores).
 * ``/pause?mode=wait`` drains running requests and queues new ones until ``/resume`` (0.32.0
@@ -239,6 +241,20 @@ class WorkerExtension:
 
         return f"qconvert-{__version__}"
 
+    def qconvert_clear_failed_reload(self) -> int:
+        """Drop the tensors a failed ``reload_weights`` buffered for layers it did not finish, so the
+        rollback reload starts those layers from zero (vLLM 0.32 keeps them and would mix them in)."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        n = 0
+        for m in self.model_runner.get_model().modules():
+            info = LAYERWISE_INFO.get(m)
+            if info is not None and info.can_load() and (info.loaded_weights or info.load_numel):
+                info.loaded_weights = []
+                info.load_numel = 0
+                n += 1
+        return n
+
     def qconvert_repack_cpu_moe(self) -> int:
         import torch
 
@@ -340,6 +356,8 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
             rolled = False
             if previous:
                 try:
+                    if repack or client.has_extension():
+                        client.collective_rpc("qconvert_clear_failed_reload")
                     client.reload_weights(previous)
                     if repack:
                         client.collective_rpc("qconvert_repack_cpu_moe")
