@@ -122,6 +122,38 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(lo.abs(), hi.abs())
 
 
+#: Elements per CPU work item of :func:`_by_row_chunks` (temporaries stay in cache).
+ROW_CHUNK_ELEMS = 1 << 18
+
+
+def _by_row_chunks(fn, x: torch.Tensor, **kw):
+    """``fn(x, **kw)`` for a quantizer that works block by block along the last axis, run on
+    row chunks by the CPU worker threads (as MXFP8 does internally) and concatenated.
+
+    Bit-identical to one call as long as nothing depends on other rows: callers pass the
+    tensor-wide values (NVFP4's global amax) in ``kw``. Outputs with ``x``'s leading dims are
+    concatenated; others (0-dim global scales) are taken from the first chunk.
+    """
+    from .numerics.mxfp8 import _pool
+
+    k = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // k if k else 0
+    per = max(1, ROW_CHUNK_ELEMS // max(k, 1))
+    workers = max(1, os.cpu_count() or 1)
+    if x.device.type != "cpu" or x.dim() < 2 or rows <= per or workers == 1:
+        return fn(x, **kw)
+    lead = x.shape[:-1]
+    x2 = x.reshape(rows, k)
+    parts = list(_pool(workers).map(lambda i: fn(x2[i:i + per], **kw), range(0, rows, per)))
+    out = []
+    for j, first in enumerate(parts[0]):
+        if first.dim() == 0:
+            out.append(first)
+        else:
+            out.append(torch.cat([p[j] for p in parts]).reshape(*lead, first.shape[-1]))
+    return tuple(out)
+
+
 def _keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -> Job:
     def fn(src):
         t = src[name]
@@ -163,7 +195,7 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
             raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         result = {}
         for n, x in xs.items():
-            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe)
+            packed, scale, scale_2 = _by_row_chunks(nvfp4_quantize, x, global_amax=g, recipe=opts.recipe)
             outs = outs_of[n]
             mod = n[: -len(".weight")]
             result[outs[0].name] = packed.cpu()
