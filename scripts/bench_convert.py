@@ -272,7 +272,8 @@ def bench(a) -> dict:
             bytes_out = sum(out_sizes.values())
             _rm(dst)
             fl, qc = [], []
-            for r in range(a.repeat):
+            reps = a.repeat_nvfp4 if scheme == "nvfp4" and a.repeat_nvfp4 else a.repeat
+            for r in range(reps):
                 fm = record(f"floor (read + write {_gb(bytes_out)})", "floor", scheme,
                             run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync), log=log))
                 _rm(work / "out-floor")
@@ -322,7 +323,7 @@ def rss_sweep(a, work, log, record, made) -> list[dict]:
                             "--shard-gb", str(shard_gb)], check=True)
             made.append(src)
         sizes = _shard_sizes(src)
-        for scheme in a.schemes.split(","):
+        for scheme in a.sweep_schemes.split(","):
             dst = work / f"out-sweep-{scheme}"
             m = record(f"qconvert {layers}L {len(sizes)} shard(s)", "sweep", scheme,
                        run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log))
@@ -383,7 +384,8 @@ def main(argv=None):
         floor_main(argv[1], argv[2], argv[3], "--fsync" in argv)
         return
     if argv and argv[0] == "_qconvert":
-        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv)
+        dev = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
+        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/qconvert-bench", help="scratch directory (synthetic input and outputs)")
@@ -397,6 +399,8 @@ def main(argv=None):
     ap.add_argument("--fsync", action="store_true", help="fsync outputs (qconvert's CLI default); then the disk dominates")
     ap.add_argument("--rss-sweep", action="store_true", help="peak RSS: 1 shard vs many, 2x vs 4x layers")
     ap.add_argument("--sweep-layers", type=int, default=2, help="smaller layer count of the sweep (doubled for the other)")
+    ap.add_argument("--sweep-schemes", default="mxfp8")
+    ap.add_argument("--repeat-nvfp4", type=int, default=None, help="pairs for nvfp4 (default: --repeat)")
     ap.add_argument("--json", help="write raw results here")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     a = ap.parse_args(argv)
