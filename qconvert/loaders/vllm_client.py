@@ -261,6 +261,12 @@ class WorkerExtension:
         with torch.no_grad():
             return repack_cpu_moe_after_reload(self.model_runner.get_model())
 
+    def qconvert_load_preshuffled(self, path: str) -> dict:
+        """Load a pre-shuffled (flashinfer-trtllm layout) checkpoint: see vllm_layout_loader."""
+        from qconvert.loaders.vllm_layout_loader import load_into_worker
+
+        return load_into_worker(self, path)
+
 
 def _is_moe(config: dict) -> bool:
     return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -335,6 +341,9 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                               f"(wrong outputs); restart the server with {EXTENSION_FLAG} so qconvert can "
                               "prepack them after the reload")
         repack = True
+    from qconvert.loaders.vllm_layout_loader import preflight, reload_checkpoint
+
+    preflight(client, path)
     previous = client.current_weights(rollback)
     if check_contract and previous and Path(previous, "config.json").is_file():
         try:
@@ -350,7 +359,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     failure: BaseException | None = None
     try:
         try:
-            client.reload_weights(path)
+            reload_checkpoint(client, path)
         except (ServerError, ServerUnreachable) as err:
             server_msg = err.message if isinstance(err, ServerError) else str(err)
             rolled = False
@@ -358,7 +367,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                 try:
                     if repack or client.has_extension():
                         client.collective_rpc("qconvert_clear_failed_reload")
-                    client.reload_weights(previous)
+                    reload_checkpoint(client, previous)
                     if repack:
                         client.collective_rpc("qconvert_repack_cpu_moe")
                     rolled = True
