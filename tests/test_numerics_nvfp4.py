@@ -150,7 +150,11 @@ def np_te_reference(x: torch.Tensor, global_amax=None):
         v = (blocks * inv[..., None]).astype(np.float32)
     codes = np_e2m1_code(v).reshape(xf.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, sbyte, g / np.float32(2688.0)
+    # decode scale g/2688, except where S_enc hit FLT_MAX: then only 1/S_enc decodes the blocks
+    # to their values (miles' convention everywhere; qconvert's only there)
+    with np.errstate(divide="ignore", over="ignore"):
+        clamped = g > 0 and np.float32(2688.0) / g > FLT_MAX
+    return packed, sbyte, (s_dec if clamped else g / np.float32(2688.0))
 
 
 # ---------------------------------------------------------------- optional C++ oracle
@@ -494,3 +498,14 @@ def test_dequantize_error_bound(recipe):
     # which can push the block max past 6 (then it saturates; at most 6 * 2^-4 more).
     amax = blk.abs().amax(-1, keepdim=True)
     assert (err <= step * 1.0 + amax * 2.0**-4 + 1e-30).all()
+
+
+def test_te_tiny_global_amax_decodes_to_its_values():
+    """g below 2688/FLT_MAX: TE clamps S_enc at FLT_MAX, so the stored decode scale must be 1/S_enc
+    (found by hypothesis: g/2688 made every block decode ~2x too small)."""
+    x = (torch.linspace(-1, 1, 64) * 3e-36).to(torch.bfloat16).reshape(2, 32)
+    packed, scale, s2 = nvfp4_quantize(x, recipe="te")
+    assert float(s2) == pytest.approx(1.0 / torch.finfo(torch.float32).max, rel=1e-6)
+    d = nvfp4_dequantize(packed, scale, s2, torch.float64)
+    rel = ((d - x.double()).norm() / x.double().norm()).item()
+    assert rel < 0.2, rel

@@ -205,7 +205,9 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
             if dialect == "modelopt":
                 result[outs[2].name] = scale_2.cpu().reshape(())
             else:
-                enc = (torch.tensor(2688.0) / g.cpu()) if bool(g > 0) else torch.tensor(1.0)
+                # encode convention: S_enc = 2688/g, clamped at FLT_MAX as TE does (tiny g)
+                enc = torch.clamp(torch.tensor(2688.0) / g.cpu(), max=torch.finfo(torch.float32).max) \
+                    if bool(g > 0) else torch.tensor(1.0)
                 result[outs[2].name] = enc.float().reshape(1)
             if len(outs) > 3:
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)

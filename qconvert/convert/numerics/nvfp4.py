@@ -179,6 +179,11 @@ def nvfp4_quantize(
             global_amax.detach().to(device=dev, dtype=torch.float32).reshape(())
         )
     scale_2 = nvfp4_scale_2(g)
+    if recipe == "te":
+        # TE clamps S_enc = 2688/g at FLT_MAX (g below ~7.9e-36): the decode scale is then
+        # 1/S_enc, not g/2688, or the stored blocks would decode too small.
+        s_enc = _f32(NVFP4_GLOBAL_DIV, dev) / g
+        scale_2 = torch.where((g > 0) & (s_enc > _f32(_FLT_MAX, dev)), _f32(1.0, dev) / _f32(_FLT_MAX, dev), scale_2)
 
     xb = x.reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
     owned = xb.dtype != torch.float32  # .float() made a copy we may overwrite
