@@ -20,8 +20,12 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def handle_errors(fn):
+def handle_errors(fn=None, *, interrupted: str = "interrupted; nothing was installed at DST "
+                                                  "(rerun the same command with --resume to continue)"):
     """Print a QConvertError as one line and exit 1; Ctrl-C exits 130 without a traceback."""
+    if fn is None:
+        return functools.partial(handle_errors, interrupted=interrupted)
+
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
@@ -30,7 +34,7 @@ def handle_errors(fn):
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing was installed at DST (rerun the same command with --resume to continue)", err=True)
+            click.echo(interrupted, err=True)
             sys.exit(130)
     return wrapper
 

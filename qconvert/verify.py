@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 
 from .errors import QConvertError
-from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, CheckpointFiles, Detection, Module,
+from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
-from .convert.safetensors_io import DTYPES, ShardReader
+from .convert.safetensors_io import ShardReader
 
 #: default --max-rel-err per format (relative Frobenius error of one tensor). RCEIL MXFP8 of
 #: Gaussian-like weights gives ~0.02-0.03 and NVFP4 ~0.09-0.11.
@@ -258,7 +258,7 @@ class _Verifier:
 
         r = self.r
         self.dst = dst = read_checkpoint(self.dst_arg)
-        self.src = src = load_checkpoint(self.src_arg)
+        self.src = load_checkpoint(self.src_arg)
         for p in dst.problems:
             self.fail("index", p)
         self.ok("index")

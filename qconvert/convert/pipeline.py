@@ -11,7 +11,6 @@ source's proportions and a tensor's bytes are found where a reader of the source
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os

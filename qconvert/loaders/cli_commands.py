@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 
 import click
 
@@ -11,17 +9,8 @@ from qconvert.errors import QConvertError
 
 
 def _errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except QConvertError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo("interrupted; servers were resumed", err=True)
-            sys.exit(130)
-    return wrapper
+    from qconvert.cli import handle_errors
+    return handle_errors(fn, interrupted="interrupted; servers were resumed")
 
 
 def _common(fn):

@@ -135,3 +135,18 @@ class HttpClient:
 
     def post(self, path: str, json_body: Any = None, **kw: Any) -> Any:
         return self.request("POST", path, json_body=json_body, **kw)[1]
+
+
+class ServerClient:
+    """Base of the engine clients: one server's URL, key, timeouts and retry policy."""
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
+                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
+                 sleep: Callable[[float], None] | None = None):
+        kw = {} if sleep is None else {"sleep": sleep}
+        self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, **kw)
+        self.reload_timeout = reload_timeout
+
+    @property
+    def url(self) -> str:
+        return self.http.base_url

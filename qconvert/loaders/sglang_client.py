@@ -35,10 +35,9 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import HttpClient, ServerError, ServerUnreachable
+from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable
 from qconvert.loaders.vllm_client import ReloadError, ReloadResult, _fan_out, _resolve_source
 
 log = logging.getLogger("qconvert.reload")
@@ -49,19 +48,8 @@ VERIFY_PROMPT = "The capital of France is"
 VERIFY_TOKENS = 12
 
 
-class SglangClient:
+class SglangClient(ServerClient):
     """The weight-update routes of one SGLang server."""
-
-    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
-                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
-                 sleep: Callable[[float], None] | None = None):
-        kw = {} if sleep is None else {"sleep": sleep}
-        self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, **kw)
-        self.reload_timeout = reload_timeout
-
-    @property
-    def url(self) -> str:
-        return self.http.base_url
 
     def model_info(self) -> dict:
         status, body = self.http.request("GET", "/model_info", ok_status=(404,))

@@ -51,10 +51,9 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import HttpClient, ServerError, ServerUnreachable
+from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable
 
 log = logging.getLogger("qconvert.reload")
 
@@ -109,19 +108,8 @@ def _state_record(url: str, version: str, path: str) -> None:
 # ------------------------------------------------------------------------------- client
 
 
-class VllmClient:
+class VllmClient(ServerClient):
     """The dev-mode control routes of one vLLM server."""
-
-    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
-                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
-                 sleep: Callable[[float], None] | None = None):
-        kw = {} if sleep is None else {"sleep": sleep}
-        self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, **kw)
-        self.reload_timeout = reload_timeout
-
-    @property
-    def url(self) -> str:
-        return self.http.base_url
 
     # ---- info
     def version(self) -> str:
