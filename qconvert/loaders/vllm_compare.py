@@ -68,7 +68,9 @@ def run_in_vllm(
 ) -> dict:
     """Run jobs sequentially in one vLLM worker process; return its JSON result.
 
-    A job is a checkpoint directory or ``{"model": dir, "reload": [dir, ...], "inspect": bool}``.
+    A job is a checkpoint directory or ``{"model": dir, "reload": [dir, ...], "inspect": bool,
+    "expect_error": bool}``. ``expect_error`` (last job only): a failure to build the engine is
+    recorded as the job's ``error`` (``"ExcType: message"``) instead of failing the run.
     For each stage (the initial load, then each ``reload_weights(weights_path=dir)``) the result
     holds ``tokens`` (greedy continuation per prompt), ``gen_logprobs`` (top-k per generated
     position, ``{token_id: logprob}``) and ``score`` (top-k per position of ``score_sequences``,
@@ -86,7 +88,9 @@ def run_in_vllm(
         "max_model_len": int(max_model_len),
         "llm_kwargs": llm_kwargs or {},
     }
-    for j in spec["jobs"]:
+    for i, j in enumerate(spec["jobs"]):
+        if j.get("expect_error") and i != len(spec["jobs"]) - 1:
+            raise ValueError("run_in_vllm: only the last job may set expect_error")
         j["model"] = str(j["model"])
         j["reload"] = [str(r) for r in j.get("reload", [])]
     full_env = dict(os.environ)
@@ -265,8 +269,17 @@ def _worker(spec_path: str, out_path: str) -> None:
         )
         kwargs.update(spec["llm_kwargs"])
         print(f"[vllm_compare] loading {job['model']}", file=sys.stderr, flush=True)
-        llm = LLM(**kwargs)
         entry: dict[str, Any] = {"model": job["model"], "stages": []}
+        try:
+            llm = LLM(**kwargs)
+        except Exception as e:
+            if not job.get("expect_error"):
+                raise
+            # a refused checkpoint: record why; vLLM's state after a failed build is not trusted
+            # for further loads, so this must be the last job
+            entry["error"] = f"{type(e).__name__}: {e}"
+            result["jobs"].append(entry)
+            break
         if job.get("inspect"):
             entry["layers"] = llm.collective_rpc(_layer_quant_methods)[0]
         entry["stages"].append(run_stage(llm, job["model"]))

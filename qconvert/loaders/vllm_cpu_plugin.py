@@ -24,8 +24,12 @@ vLLM, whatever the vLLM version):
   as a plain-torch loop over the selected experts (SiLU-and-mul only; NVFP4 W4A4 activations
   fake-quantized with each expert's ``input_scale``). Expert parallelism is refused.
 
+* **compressed-tensors NVFP4**: W4A4 dense runs through the emulation kernel above; NVFP4A16
+  (weight-only) dense gets the plain-torch W4A16 kernel through a ``compressed-tensors`` config
+  subclass (vLLM 0.32 forces Marlin there).
+
 Not supported (refused at model build with a message naming the vLLM version): compressed-
-tensors NVFP4 MoE (the layer is left to vLLM, which fails in Triton), MoE activations other
+tensors NVFP4 MoE (refused by the config subclass; vLLM would fail in Triton), MoE activations other
 than SiLU, expert parallelism, and any vLLM version outside :data:`SUPPORTED_VLLM_VERSIONS`
 (``register`` raises; set ``QCONVERT_VLLM_CPU_PLUGIN_ANY_VERSION=1`` to try anyway).
 
@@ -143,6 +147,13 @@ def _build_classes():
         NvFp4LinearLayerConfig,
     )
     from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW4A4Fp4,
+    )
     from vllm.model_executor.layers.quantization import modelopt as mo
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import (
         dequant_mxfp8_to_bf16,
@@ -334,6 +345,36 @@ def _build_classes():
             self.fmt.extra_weights(layer, shapes, self.ctx, weight_loader)
             self.kernel = TorchNvfp4W4A16Kernel(NvFp4LinearLayerConfig())
 
+    class CpuCtNvfp4W4A16(CompressedTensorsW4A4Fp4):
+        """compressed-tensors NVFP4A16 with the CPU W4A16 kernel instead of Marlin."""
+
+        def __init__(self):
+            self.use_a16 = True
+            self.kernel = TorchNvfp4W4A16Kernel(NvFp4LinearLayerConfig())
+            self.group_size = 16
+
+    class CpuCompressedTensorsConfig(CompressedTensorsConfig):
+        """compressed-tensors with a CPU NVFP4A16 linear scheme; NVFP4 MoE refused up front."""
+
+        def _get_scheme_from_parts(self, weight_quant, input_quant, *args, **kwargs):
+            if self._is_nvfp4_format(weight_quant) and input_quant is None:
+                return CpuCtNvfp4W4A16()
+            return super()._get_scheme_from_parts(weight_quant, input_quant, *args, **kwargs)
+
+        def get_quant_method(self, layer, prefix):
+            if isinstance(layer, RoutedExperts):
+                # as vLLM's CompressedTensorsMoEMethod.get_moe_method resolves it
+                self._add_fused_moe_to_target_scheme_map()
+                name = f"{prefix}.0.{layer.ckpt_down_proj_name}"
+                scheme = self.get_scheme_dict(layer, name) or {}
+                wq = scheme.get("weights")
+                if wq is not None and self._is_nvfp4_format(wq):
+                    err = _refuse(f"compressed-tensors NVFP4 MoE ({prefix})")
+                    raise NotImplementedError(
+                        f"{err}; convert with --dialect modelopt (its NVFP4 experts run here)"
+                    )
+            return super().get_quant_method(layer, prefix)
+
     class CpuMxfp8Config(mo.ModelOptMxFp8Config):
         """ModelOpt MXFP8 config whose MoE layers run plain-torch experts."""
 
@@ -354,7 +395,7 @@ def _build_classes():
                 method = CpuModelOptNvFp4W4A16LinearMethod(method.spec, method.ctx, method.fmt)
             return method
 
-    return CpuMxfp8Config, CpuNvfp4Config
+    return CpuMxfp8Config, CpuNvfp4Config, CpuCompressedTensorsConfig
 
 
 def register() -> None:
@@ -378,10 +419,11 @@ def register() -> None:
 
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
-    mxfp8_cfg, nvfp4_cfg = _build_classes()
+    mxfp8_cfg, nvfp4_cfg, ct_cfg = _build_classes()
     register_quantization_config("mxfp8")(mxfp8_cfg)
     register_quantization_config("modelopt_mxfp8")(mxfp8_cfg)
     register_quantization_config("modelopt_fp4")(nvfp4_cfg)
+    register_quantization_config("compressed-tensors")(ct_cfg)
     _REGISTERED = True
     init_logger(__name__).info(
         "qconvert CPU emulation plugin active (vLLM %s, pid %d): MXFP8/NVFP4 linear emulation "
