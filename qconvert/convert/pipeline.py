@@ -467,8 +467,17 @@ def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
     return result
 
 
-def _run(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,
-         journal: "_resume.Partial | None" = None):
+def _run(*args, **kwargs):
+    """:func:`_run_threads`, leaving the caller's torch thread count as it was."""
+    prev = torch.get_num_threads()
+    try:
+        return _run_threads(*args, **kwargs)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,
+                 journal: "_resume.Partial | None" = None):
     # The calling thread runs only small torch ops: one OpenMP fork/join each costs milliseconds
     # on a busy machine (measured: 18 ms per tiny op with 2 threads under load). The heavy work
     # runs on the quantizers' worker threads (CPU_WORKERS), each single-threaded in torch.
