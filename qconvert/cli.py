@@ -53,6 +53,8 @@ def plan_options(fn):
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
         click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
         click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
+        click.option("--allow-pickle", is_flag=True, help="Read a .bin/.pt checkpoint with torch.load(weights_only=True) "
+                     "(tensors only; no code runs), via a safetensors copy beside DST."),
         click.option("--push-to-hub", default=None, metavar="REPO", help="After converting, verify DST and push it to this Hub repo."),
         click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
         click.option("--revision", default=None, help="With --push-to-hub: branch to push to."),

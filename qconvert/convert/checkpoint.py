@@ -149,7 +149,7 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
             if pickles:
                 raise CheckpointError(
                     f"{pickles[0]}: pickle checkpoints can execute code and are refused; convert to safetensors first "
-                    "(e.g. transformers' save_pretrained(safe_serialization=True))")
+                    "(e.g. transformers' save_pretrained(safe_serialization=True)) or pass --allow-pickle")
             raise CheckpointError(f"{root}: no .safetensors weights found")
     if not any(h.entries for h in shards):
         raise CheckpointError(f"{root}: the checkpoint holds no tensors (empty model)")
@@ -162,3 +162,67 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
             _check_inside(root, p, rev is not None)
             extra.append(p)
     return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra)
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def pickle_files(src: str) -> list[Path]:
+    """The pickle weight files of a local checkpoint that has no safetensors, else []."""
+    root = Path(src).expanduser()
+    if not root.is_dir() or any(root.glob("*.safetensors")):
+        return []
+    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
+                  and not p.name.startswith(("optimizer", "scheduler", "training_args", "rng_state")))
+
+
+def pickle_to_safetensors(src: str, out: Path) -> Path:
+    """``--allow-pickle``: rewrite a .bin/.pt checkpoint as safetensors in ``out``.
+
+    Each file is read with ``torch.load(weights_only=True)``, PyTorch's restricted unpickler,
+    which builds tensors and plain containers only and refuses any other object (so a
+    checkpoint cannot run code); every value must be a tensor. Other files are copied.
+    """
+    import shutil
+
+    import torch
+
+    from .safetensors_io import ShardWriter
+
+    root = Path(src).expanduser()
+    files = pickle_files(src)
+    out.mkdir(parents=True)
+    n = len(files)
+    wmap = {}
+    total = 0
+    for i, f in enumerate(files):
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+        except Exception as e:  # UnpicklingError for anything but tensors and containers
+            msg = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
+            raise CheckpointError(f"{f}: refused by torch.load(weights_only=True): {msg}; "
+                                  "it is not a plain tensor checkpoint") from None
+        if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+            sd = sd["state_dict"]
+        if not isinstance(sd, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
+            raise CheckpointError(f"{f}: expected a dict of name -> tensor (a state dict); got {type(sd).__name__}")
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {k: v.detach().contiguous().clone() for k, v in sd.items()}
+        del sd
+        w = ShardWriter(out / name, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+        for k, v in tensors.items():
+            if k in wmap:
+                raise CheckpointError(f"tensor {k!r} appears in two pickle files; the checkpoint is inconsistent")
+            w.write(k, v)
+            wmap[k] = name
+            total += v.numel() * v.element_size()
+        w.close(fsync=False)
+    if n > 1:
+        (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(wmap.items()))}, indent=2))
+    for p in root.iterdir():
+        if p.is_file() and p.suffix not in PICKLE_SUFFIXES and not p.name.endswith(".index.json") \
+                and not p.is_symlink():
+            shutil.copy2(p, out / p.name)
+    return out
+

@@ -61,6 +61,7 @@ class ConvertOptions:
     engine: str = "vllm"  # layout target engine: vllm | sglang
     tp: int = 1
     ep: int = 1
+    allow_pickle: bool = False  # read .bin/.pt with torch.load(weights_only=True), via a safetensors copy
     _layout_layers: dict = field(default_factory=dict, repr=False)  # filled by build_jobs
     resume: bool = False  # continue an interrupted run from its journal (resume.py)
 
@@ -430,7 +431,33 @@ def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
             raise OutputError("DST is required unless --dry-run")
         dst = Path(dst).expanduser().absolute()
         _check_dst(dst, opts.force)
-    ckpt, plan, dialect, jobs = prepare(src, scheme, opts)
+    pickled = _materialize_pickles(src, dst, opts)
+    try:
+        return _convert(src if pickled is None else str(pickled), src, dst, scheme, opts, t0)
+    finally:
+        if pickled is not None:
+            shutil.rmtree(pickled, ignore_errors=True)
+
+
+def _materialize_pickles(src: str, dst: Path | None, opts: ConvertOptions) -> Path | None:
+    from .checkpoint import pickle_files, pickle_to_safetensors
+    if not opts.allow_pickle or not pickle_files(src):
+        return None
+    import tempfile
+    base = Path(tempfile.mkdtemp(prefix="qconvert-pickle-")) if dst is None else dst.parent
+    out = base / (f".{dst.name}.qconvert-pickle-src" if dst is not None else "src")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        return pickle_to_safetensors(src, out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0: float) -> ConvertResult:
+    ckpt, plan, dialect, jobs = prepare(read_src, scheme, opts)
+    if read_src != src:
+        ckpt.source_id = src  # the manifest names what the user converted, not the safetensors copy
     rows = plan_rows(ckpt, plan, jobs)
     bytes_in = sum(r.bytes_in for r in rows)
     bytes_out = sum(r.bytes_out for r in rows)
