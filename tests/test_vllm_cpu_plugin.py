@@ -1,25 +1,32 @@
 """qconvert checkpoints in a real vLLM (CPU build) through the qconvert CPU emulation plugin.
 
-All engine work runs in ONE vLLM worker process per format family (module-scoped fixtures
-calling ``qconvert.loaders.vllm_compare.run_in_vllm``), on tiny random Qwen3 / Qwen3-MoE models.
-Every quantized checkpoint is compared with (a) a BF16 checkpoint holding the dequantized weights
-(the engine sees the same weights, so where activations are not quantized logprobs must be
-equal; MoE: the BF16 reference runs vLLM's CPU MoE kernel, the plugin plain torch, so a small
-bound) and (b) the BF16 source (quantization error, a stated bound).
+All engine work for one architecture runs in ONE vLLM worker process (module-scoped fixture
+calling ``qconvert.loaders.vllm_compare.run_in_vllm``), on qconvert's tiny random Qwen3 /
+Qwen3-MoE demo models, with every checkpoint written by qconvert's converter. Engine loads are the
+cost (~10 s each on 2 cores), so each quantized format is loaded once and hot-reloaded: X, then
+X_b -> X -> X_b (X_b: the same conversion of another seed, same layout). With A = X_b, B = X that
+chain gives the reload properties (A -> B equals the fresh load of B, B -> A restores A); for
+MXFP8 the first reload is also compared with a fresh load of X_b, which catches layers that keep
+stale weights. BF16 references are fresh loads (reloading BF16 checkpoints into a BF16 engine
+gave logprobs matching neither checkpoint on vLLM 0.32 CPU; see KNOWN_BROKEN_RELOAD).
+
+Every quantized checkpoint is compared with (a) its ``dq_*`` reference (same weights, so where
+activations are not quantized logprobs must be equal; MoE: the reference runs vLLM's CPU BF16 MoE
+kernel, the plugin plain torch, so a small bound) and (b) the BF16 source (a stated bound).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qconvert.convert.numerics import mxfp8_dequantize, mxfp8_quantize
+from qconvert.convert.numerics import mxfp8_dequantize, nvfp4_dequantize
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -28,16 +35,47 @@ PROMPTS = [[3, 17, 42, 99, 7, 120], [200, 5, 64, 31], [9, 9, 150, 77, 2, 45, 88,
 MAX_TOKENS = 6
 
 # Bounds (mean KL per position over the top-20 partition, see vllm_compare) on qconvert's tiny
-# random demo models; measured values are in the comments.
-MXFP8_VS_SOURCE_MEAN_KL = 0.05  # measured 0.015-0.02
+# random demo models; measured values are in the comments (dense / MoE).
+MXFP8_VS_SOURCE_MEAN_KL = 0.05  # measured 0.015-0.018
 MOE_VS_DEQUANT_MEAN_KL = 0.02  # plain-torch experts vs vLLM's CPU BF16 MoE kernel; ~0.003-0.006
-NVFP4_W4A16_VS_SOURCE_MEAN_KL = 0.5  # measured ~0.23 (MoE)
-NVFP4_W4A4_VS_SOURCE_MEAN_KL = 1.0  # measured ~0.5 (MoE), input_scale = 16/2688 uncalibrated
+NVFP4_W4A16_VS_SOURCE_MEAN_KL = 0.5  # measured 0.218 / 0.231 (CT dense 0.219)
+NVFP4_W4A4_VS_SOURCE_MEAN_KL = 1.0  # measured 0.367 / 0.427 (--input-scale unit)
+BROKEN_MIN_KL_RATIO = 10.0  # swapped layers vs correct MXFP8: measured 0.585 vs 0.018 / 0.643 vs 0.017
+
+# quantized checkpoints per architecture: key -> (scheme, dialect, input mode, last_n_bf16)
+FORMATS = {
+    "auto": ("mxfp8", "auto", None, 0),
+    "mo_last1": ("mxfp8", "modelopt", None, 1),
+    "nv_a16": ("nvfp4", "modelopt", "weight-only", 0),
+    "nv_a4": ("nvfp4", "modelopt", "unit", 0),
+    "ct_a16": ("nvfp4", "compressed-tensors", "weight-only", 0),
+}
+# runs in this vLLM; everything else is expected to be refused (ct_* on MoE)
+RUNS = {
+    "qwen3": ["auto", "mo_last1", "nv_a16", "nv_a4", "ct_a16"],
+    "qwen3-moe": ["auto", "mo_last1", "nv_a16", "nv_a4"],
+}
+REFUSED = {"qwen3": None, "qwen3-moe": "ct_a16"}
+# checkpoints with a BF16 reference holding qconvert's dequantized weights (W4A4 has none:
+# activations are quantized, so no BF16 checkpoint can equal it)
+DEQUANT_REFS = ["auto", "mo_last1", "nv_a16"]
+LINEAR_METHOD = {
+    "auto": "ModelOptLinearMethod",
+    "mo_last1": "ModelOptLinearMethod",
+    "nv_a16": "CpuModelOptNvFp4W4A16LinearMethod",
+    "nv_a4": "ModelOptLinearMethod",
+    "ct_a16": "CompressedTensorsLinearMethod",
+}
+MOE_METHOD = {
+    "auto": "CpuModelOptMxFp8FusedMoE",
+    "mo_last1": "CpuModelOptMxFp8FusedMoE",
+    "nv_a16": "CpuModelOptNvFp4FusedMoE",
+    "nv_a4": "CpuModelOptNvFp4FusedMoE",
+}
 
 
 # --------------------------------------------------------------------------------------------
-# checkpoints: qconvert's demo models and converter (MXFP8); NVFP4 built here until the NVFP4
-# converter lands (vLLM's reference quantizer as the oracle, ModelOpt layout of formats.md §5.5)
+# checkpoints: qconvert's demo models and converter
 # --------------------------------------------------------------------------------------------
 
 
@@ -54,128 +92,47 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             "model.safetensors.index.json",
             "config.json",
             "hf_quant_config.json",
+            "qconvert.json",
         ) and f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
 
 
-def make_source(dst: Path, arch: str) -> Path:
-    from qconvert.convert.demo import build_demo_model
-
-    return build_demo_model(dst, arch=arch, seed=0)
-
-
-def make_mxfp8(src: Path, dst: Path, dialect: str, last_n_bf16: int = 0) -> Path:
-    """MXFP8 checkpoint written by qconvert's converter (``auto`` = §4.1, or ``modelopt``)."""
+def convert_with_qconvert(src: Path, dst: Path, key: str) -> Path:
+    """``qconvert mxfp8|nvfp4 SRC DST`` with the options of ``FORMATS[key]``, as a library call."""
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
+    scheme, dialect, input_mode, last_n = FORMATS[key]
     opts = ConvertOptions(
-        scheme="mxfp8",
+        scheme=scheme,
         dialect=dialect,
-        plan=PlanOptions(scheme="mxfp8", last_n_bf16=last_n_bf16),
+        plan=PlanOptions(scheme=scheme, last_n_bf16=last_n),
         progress=False,
         fsync=False,
+        **({"input_mode": input_mode} if input_mode else {}),
     )
-    convert(str(src), dst, "mxfp8", opts)
-    return dst
-
-
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _nvfp4_quantize(w: torch.Tensor, amax: torch.Tensor):
-    """NVFP4 via vLLM's reference quantizer (oracle) + nibble packing. Returns u8, e4m3, s2."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-        ref_nvfp4_quant,
-    )
-
-    gs = (448.0 * 6.0 / amax.float()).reshape(1)
-    vals, scale = ref_nvfp4_quant(w.float(), gs, 16)
-    idx = (vals.abs().unsqueeze(-1) == _E2M1).float().argmax(-1)
-    codes = (idx | ((vals < 0).long() << 3)).to(torch.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, scale.to(torch.float8_e4m3fn), (1.0 / gs).reshape(())
-
-
-def make_nvfp4(src: Path, dst: Path, a16: bool, last_n_bf16: int = 0) -> Path:
-    """ModelOpt NVFP4 checkpoint; q/k/v and (per expert) gate/up share weight_scale_2."""
-    cfg = json.loads((src / "config.json").read_text())
-    n_layers = cfg["num_hidden_layers"]
-    moe = "num_experts" in cfg
-
-    def quantizable(name):
-        return name.endswith("_proj.weight") and int(name.split(".")[2]) < n_layers - last_n_bf16
-
-    sd = _load_all(src)
-    groups: dict[str, list[str]] = {}
-    for name in sd:
-        if quantizable(name):
-            key = name
-            for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
-                key = key.replace(a, b)
-            groups.setdefault(key, []).append(name)
-    out = {n: w for n, w in sd.items() if not quantizable(n)}
-    for members in groups.values():
-        amax = max(sd[m].float().abs().max() for m in members)
-        for m in members:
-            q, s, s2 = _nvfp4_quantize(sd[m], amax)
-            base = m[: -len("weight")]
-            out[m], out[base + "weight_scale"], out[base + "weight_scale_2"] = q, s, s2
-            if not a16:
-                out[base + "input_scale"] = torch.tensor(16.0 / 2688.0)
-    ex = ["lm_head", "model.embed_tokens", "model.norm"]
-    ex += [f"model.layers.{i}." for i in range(n_layers - last_n_bf16, n_layers)]
-    if moe:
-        ex += [f"model.layers.{i}.mlp.gate" for i in range(n_layers)]
-    wq = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
-    cfg["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "ignore": ex,
-        "config_groups": {
-            "group_0": {
-                "weights": wq,
-                "input_activations": None if a16 else dict(wq),
-                "targets": ["Linear"],
-            }
-        },
-    }
-    hfq = {
-        "producer": {"name": "qconvert-test", "version": "0"},
-        "quantization": {
-            "quant_algo": "NVFP4",
-            "kv_cache_quant_algo": None,
-            "group_size": 16,
-            "exclude_modules": ex,
-        },
-    }
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    (dst / "hf_quant_config.json").write_text(json.dumps(hfq, indent=1))
-    _copy_side_files(src, dst)
+    convert(str(src), dst, scheme, opts)
     return dst
 
 
 def make_dequantized(qdir: Path, dst: Path) -> Path:
-    """BF16 checkpoint holding the dequantized weights of an MXFP8 or NVFP4 checkpoint
-    (MXFP8: qconvert's ``mxfp8_dequantize``; NVFP4: vLLM's ``dequantize_to_dtype``)."""
+    """BF16 checkpoint holding the weights of a qconvert MXFP8 / NVFP4 checkpoint as qconvert's
+    own ``mxfp8_dequantize`` / ``nvfp4_dequantize`` decode them (all three dialects)."""
     sd = _load_all(qdir)
     out = {}
     for name, w in sd.items():
-        base = name[: -len("weight")]
-        if name.endswith(".weight") and w.dtype == torch.float8_e4m3fn:
-            out[name] = mxfp8_dequantize(w, sd[base + "weight_scale"], torch.bfloat16)
-        elif name.endswith(".weight") and w.dtype == torch.uint8:
-            from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-                dequantize_to_dtype,
-            )
-
-            s2 = sd[base + "weight_scale_2"].float().reshape(1)
-            out[name] = dequantize_to_dtype(
-                w, sd[base + "weight_scale"], s2, torch.bfloat16, 16, swizzle=False
-            )
-        elif name.endswith(".weight"):
+        if name.endswith(".weight_packed"):  # compressed-tensors NVFP4
+            base = name[: -len("weight_packed")]
+            s2 = 1.0 / sd[base + "weight_global_scale"].float()
+            out[base + "weight"] = nvfp4_dequantize(w, sd[base + "weight_scale"], s2, torch.bfloat16)
+        elif not name.endswith(".weight"):
+            continue
+        elif w.dtype == torch.float8_e4m3fn:
+            out[name] = mxfp8_dequantize(w, sd[name + "_scale"], torch.bfloat16)
+        elif w.dtype == torch.uint8:  # ModelOpt NVFP4
+            s2 = sd[name + "_scale_2"].float()
+            out[name] = nvfp4_dequantize(w, sd[name + "_scale"], s2, torch.bfloat16)
+        else:
             out[name] = w
     cfg = json.loads((qdir / "config.json").read_text())
     cfg.pop("quantization_config")
@@ -186,41 +143,99 @@ def make_dequantized(qdir: Path, dst: Path) -> Path:
     return dst
 
 
+SWAP = ("model.layers.1.mlp", "model.layers.2.mlp")
+
+
+def make_swapped(qdir: Path, dst: Path) -> Path:
+    """A broken copy of an MXFP8 checkpoint: every tensor of layer 1's MLP swapped with layer
+    2's (same names, shapes and dtypes, so it loads and even hot-reloads)."""
+    shutil.copytree(qdir, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    a, b = SWAP
+    sd = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    swapped = {}
+    for name in sd:
+        if name.startswith(a + "."):
+            other = b + name[len(a):]
+            swapped[name], swapped[other] = sd[other], sd[name]
+    assert swapped, "nothing swapped"
+    for f in sorted(dst.glob("*.safetensors")):
+        part = load_file(str(f))
+        hit = {n: swapped[n] for n in part if n in swapped}
+        if hit:
+            part.update(hit)
+            save_file(part, str(f), metadata={"format": "pt"})
+    assert all(index[n] for n in swapped)
+    return dst
+
+
+_CK_CACHE: dict[str, dict] = {}
+
+
+def checkpoints(root: Path, arch: str) -> dict[str, Path]:
+    """All checkpoints of one architecture (built once per session)."""
+    if arch in _CK_CACHE:
+        return _CK_CACHE[arch]
+    from qconvert.convert.demo import build_demo_model
+
+    src = build_demo_model(root / "bf16", arch=arch, seed=0)
+    src_b = build_demo_model(root / "bf16_b", arch=arch, seed=1)
+    ck = {"src": src, "src_b": src_b}
+    for key in RUNS[arch] + ([REFUSED[arch]] if REFUSED[arch] else []):
+        ck[key] = convert_with_qconvert(src, root / key, key)
+        if key in RUNS[arch]:
+            ck[key + "_b"] = convert_with_qconvert(src_b, root / (key + "_b"), key)
+    for key in DEQUANT_REFS:
+        if key in RUNS[arch]:
+            ck["dq_" + key] = make_dequantized(ck[key], root / ("dq_" + key))
+    ck["broken"] = make_swapped(ck["auto"], root / "broken")
+    _CK_CACHE[arch] = ck
+    return ck
+
+
 # --------------------------------------------------------------------------------------------
 # one vLLM worker per architecture
 # --------------------------------------------------------------------------------------------
 
 
 def _family(tmp_path_factory, arch: str) -> dict:
+    from qconvert.loaders.compat import check_reload_compatible
     from qconvert.loaders.vllm_compare import run_in_vllm
 
-    root = tmp_path_factory.mktemp(arch)
-    src = make_source(root / "bf16", arch)
-    from qconvert.convert.demo import build_demo_model
-
-    src_b = build_demo_model(root / "bf16_b", arch=arch, seed=1)
-    ck = {
-        "src": src,
-        "auto": make_mxfp8(src, root / "mx_auto", "auto"),
-        "auto_b": make_mxfp8(src_b, root / "mx_auto_b", "auto"),
-        "mo_last1": make_mxfp8(src, root / "mx_mo_last1", "modelopt", last_n_bf16=1),
-        "nv_a4": make_nvfp4(src, root / "nv_a4", a16=False),
-        "nv_a16": make_nvfp4(src, root / "nv_a16", a16=True),
-    }
-    ck["dq_auto"] = make_dequantized(ck["auto"], root / "dq_auto")
-    ck["dq_mo_last1"] = make_dequantized(ck["mo_last1"], root / "dq_mo_last1")
-    ck["dq_nv_a16"] = make_dequantized(ck["nv_a16"], root / "dq_nv_a16")
-    order = ["src", "auto", "mo_last1", "dq_auto", "dq_mo_last1", "auto_b",
-             "nv_a4", "nv_a16", "dq_nv_a16"]
-    jobs = []
-    for key in order:
-        job = {"model": str(ck[key]), "inspect": key in ("auto", "mo_last1", "nv_a4", "nv_a16")}
+    ck = checkpoints(tmp_path_factory.mktemp(arch), arch)
+    dq = [k for k in DEQUANT_REFS if k in RUNS[arch]]
+    # BF16 references are fresh loads: reload_weights of BF16 checkpoints does not take on
+    # vLLM 0.32 CPU (see test_hot_reload_every_format), so they cannot share one engine
+    jobs = [{"model": ck["src"]}] + [{"model": ck["dq_" + k]} for k in dq]
+    jobs.append({"model": ck["auto_b"]})  # the fresh load of B for the MXFP8 reload check
+    for key in RUNS[arch]:
+        chain = [ck[key + "_b"], ck[key], ck[key + "_b"]]
         if key == "auto":
-            job["reload"] = [str(ck["auto_b"]), str(ck["auto"])]
-        jobs.append(job)
+            chain.append(ck["broken"])
+        jobs.append({"model": ck[key], "inspect": True, "reload": chain})
+    if REFUSED[arch]:
+        jobs.append({"model": ck[REFUSED[arch]], "expect_error": True})
+    # every reload above is one qconvert's reload clients would accept
+    for j in jobs:
+        for r in j.get("reload", []):
+            check_reload_compatible(j["model"], r)
     res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)
-    runs = {key: res["jobs"][i] for i, key in enumerate(order)}
-    return {"ck": ck, "runs": runs, "arch": arch}
+    runs = {"src": res["jobs"][0]}
+    stages = {"src": res["jobs"][0]["stages"][0]}
+    for i, k in enumerate(dq):
+        stages["dq_" + k] = res["jobs"][1 + i]["stages"][0]
+    stages["auto_b_fresh"] = res["jobs"][1 + len(dq)]["stages"][0]
+    for i, key in enumerate(RUNS[arch]):
+        job = res["jobs"][2 + len(dq) + i]
+        runs[key] = job
+        st = job["stages"]
+        stages[key], stages[key + "_b"], stages[key + "_re"], stages[key + "_b_re"] = st[:4]
+        if key == "auto":
+            stages["broken"] = st[4]
+    refused = res["jobs"][-1].get("error") if REFUSED[arch] else None
+    return {"ck": ck, "runs": runs, "stages": stages, "arch": arch, "refused": refused}
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
@@ -228,48 +243,75 @@ def family(request, tmp_path_factory):
     return _family(tmp_path_factory, request.param)
 
 
-def _score(fam, key, stage=0):
-    return fam["runs"][key]["stages"][stage]["score"]
-
-
-def _cmp(fam, ref, other, stage=0):
+def _cmp(fam, ref, other):
     from qconvert.loaders.vllm_compare import compare_logprobs
 
-    return compare_logprobs(_score(fam, ref), _score(fam, other, stage))
+    return compare_logprobs(fam["stages"][ref]["score"], fam["stages"][other]["score"])
 
 
-def test_mxfp8_loads_generates_and_uses_emulation(family):
-    for key in ("auto", "mo_last1"):
-        stage = family["runs"][key]["stages"][0]
-        assert [len(t) for t in stage["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+def _all_finite(stage) -> bool:
+    vals = [v for seq in stage["score"] for pos in seq if pos for v in pos.values()]
+    vals += [v for seq in stage["gen_logprobs"] for pos in seq if pos for v in pos.values()]
+    return bool(vals) and all(math.isfinite(v) for v in vals)
+
+
+def test_converted_checkpoints_load_generate_and_use_cpu_methods(family):
+    for key in RUNS[family["arch"]]:
+        stage = family["stages"][key]
+        assert [len(t) for t in stage["tokens"]] == [MAX_TOKENS] * len(PROMPTS), key
+        assert _all_finite(stage), key
         layers = family["runs"][key]["layers"]
-        assert layers["model.layers.0.self_attn.qkv_proj"] == "ModelOptLinearMethod"
-        assert layers["lm_head"] == "UnquantizedLinearMethod"
+        assert layers["model.layers.0.self_attn.qkv_proj"] == LINEAR_METHOD[key], key
+        # compressed-tensors leaves an unquantized lm_head to vLLM's embedding method
+        assert layers["lm_head"] in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
         if family["arch"] == "qwen3-moe":
-            assert layers["model.layers.0.mlp.experts.routed_experts"] == "CpuModelOptMxFp8FusedMoE"
+            assert layers["model.layers.0.mlp.experts.routed_experts"] == MOE_METHOD[key], key
             assert layers["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod"
         else:
-            assert layers["model.layers.0.mlp.gate_up_proj"] == "ModelOptLinearMethod"
+            assert layers["model.layers.0.mlp.gate_up_proj"] == LINEAR_METHOD[key], key
 
 
-def test_mxfp8_equals_dequantized_bf16(family):
-    """Dense: bit-identical logprobs. MoE: plain-torch experts vs vLLM's CPU BF16 MoE kernel."""
-    for q, dq in (("auto", "dq_auto"), ("mo_last1", "dq_mo_last1")):
-        m = _cmp(family, dq, q)
+def test_compressed_tensors_nvfp4_moe_is_refused(family):
+    if family["arch"] != "qwen3-moe":
+        pytest.skip("dense compressed-tensors NVFP4 runs (see the other tests)")
+    err = family["refused"]
+    assert err and err.startswith("NotImplementedError"), err
+    assert "compressed-tensors NVFP4 MoE" in err and "vLLM 0.32.0" in err, err
+    assert "--dialect modelopt" in err, err
+
+
+def test_equals_bf16_of_qconverts_dequantized_weights(family):
+    """Weights-only formats (MXFP8, NVFP4 W4A16) against a BF16 checkpoint of qconvert's own
+    dequantized weights. Dense: bit-identical logprobs. MoE: plain-torch experts vs vLLM's CPU
+    BF16 MoE kernel."""
+    for q in DEQUANT_REFS:
+        if q not in RUNS[family["arch"]]:
+            continue
+        m = _cmp(family, "dq_" + q, q)
         if family["arch"] == "qwen3":
             assert m["max_abs_logprob_diff"] == 0.0, (q, m["max_abs_logprob_diff"])
-            assert family["runs"][q]["stages"][0]["tokens"] == family["runs"][dq]["stages"][0]["tokens"]
+            assert family["stages"][q]["tokens"] == family["stages"]["dq_" + q]["tokens"], q
         else:
             # different expert kernels: rounding can flip a near-tie (measured 0.97-1.0)
             assert m["top1_agreement"] >= 0.9, (q, m["top1_agreement"])
             assert m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, (q, m["mean_kl"])
 
 
-def test_mxfp8_close_to_source(family):
-    for q in ("auto", "mo_last1"):
+def test_close_to_source(family):
+    bound = {"mxfp8": MXFP8_VS_SOURCE_MEAN_KL, "weight-only": NVFP4_W4A16_VS_SOURCE_MEAN_KL,
+             "unit": NVFP4_W4A4_VS_SOURCE_MEAN_KL}
+    for q in RUNS[family["arch"]]:
+        scheme, _, mode, _ = FORMATS[q]
         m = _cmp(family, "src", q)
-        assert m["mean_kl"] < MXFP8_VS_SOURCE_MEAN_KL, (q, m["mean_kl"])
-        assert m["top1_agreement"] >= 0.6, (q, m["top1_agreement"])
+        assert 0.0 < m["mean_kl"] < bound[mode or scheme], (q, m["mean_kl"])
+        if scheme == "mxfp8":
+            assert m["top1_agreement"] >= 0.6, (q, m["top1_agreement"])
+    # activation quantization must actually happen in W4A4: it differs from W4A16
+    assert family["stages"]["nv_a4"]["score"] != family["stages"]["nv_a16"]["score"]
+    if "ct_a16" in RUNS[family["arch"]]:
+        # same codes and block scales as ModelOpt W4A16; the global scale is stored as its
+        # reciprocal, so decoded weights may differ in the last bit (measured KL 3e-4)
+        assert _cmp(family, "nv_a16", "ct_a16")["mean_kl"] < 0.01
 
 
 def test_last_n_bf16_layers_run_unquantized(family):
@@ -285,46 +327,81 @@ def test_last_n_bf16_layers_run_unquantized(family):
         assert layers[f"model.layers.{last}.mlp.down_proj"] == "UnquantizedLinearMethod"
 
 
-def test_mxfp8_hot_reload_a_b_a(family):
-    """reload_weights(B) equals a fresh load of B; reloading A restores A exactly."""
-    st = family["runs"]["auto"]["stages"]
-    a0, b, a1 = st
-    fresh_b = family["runs"]["auto_b"]["stages"][0]
-    assert b["tokens"] != a0["tokens"]
-    assert b["tokens"] == fresh_b["tokens"]
-    assert b["gen_logprobs"] == fresh_b["gen_logprobs"]
-    assert b["score"] == fresh_b["score"]
-    assert a1["tokens"] == a0["tokens"]
-    assert a1["gen_logprobs"] == a0["gen_logprobs"]
-    assert a1["score"] == a0["score"]
+def _same(a, b) -> bool:
+    return a["tokens"] == b["tokens"] and a["gen_logprobs"] == b["gen_logprobs"] and a["score"] == b["score"]
 
 
-def test_nvfp4_loads_and_generates(family):
-    for key in ("nv_a4", "nv_a16"):
-        stage = family["runs"][key]["stages"][0]
-        assert [len(t) for t in stage["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
-        layers = family["runs"][key]["layers"]
-        want = "ModelOptLinearMethod" if key == "nv_a4" else "CpuModelOptNvFp4W4A16LinearMethod"
-        assert layers["model.layers.0.self_attn.qkv_proj"] == want
-        if family["arch"] == "qwen3-moe":
-            assert layers["model.layers.0.mlp.experts.routed_experts"] == "CpuModelOptNvFp4FusedMoE"
+# reload_weights into vLLM 0.32 CPU's own BF16 MoE kernel (UnquantizedFusedMoEMethod, here the
+# last-N-BF16 layer) does not take: the layer keeps stale weights (measured KL 0.47 to the fresh
+# load). The test asserts it stays broken so that a fix is noticed.
+KNOWN_BROKEN_RELOAD = {("qwen3-moe", "mo_last1")}
 
 
-def test_nvfp4_w4a16_equals_dequantized_bf16(family):
-    m = _cmp(family, "dq_nv_a16", "nv_a16")
-    if family["arch"] == "qwen3":
-        assert m["max_abs_logprob_diff"] == 0.0, m["max_abs_logprob_diff"]
-    else:
-        assert m["top1_agreement"] >= 0.9
-        assert m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, m["mean_kl"]
+def test_hot_reload_every_format(family):
+    """Per format, engine loaded with X, then reload_weights X_b, X, X_b. With A = X_b, B = X:
+    A -> B changes outputs and equals a fresh load of B; B -> A restores A exactly. MXFP8
+    (auto): the first reload also equals a fresh load of X_b."""
+    st = family["stages"]
+    assert _same(st["auto_b"], st["auto_b_fresh"])
+    broken = set()
+    for key in RUNS[family["arch"]]:
+        fresh_b, a, b, a_again = st[key], st[key + "_b"], st[key + "_re"], st[key + "_b_re"]
+        assert _all_finite(a) and _all_finite(b), key
+        assert a["tokens"] != b["tokens"], key
+        if not (_same(b, fresh_b) and _same(a_again, a)):
+            broken.add((family["arch"], key))
+    assert broken == {k for k in KNOWN_BROKEN_RELOAD if k[0] == family["arch"]}
 
 
-def test_nvfp4_close_to_source(family):
-    for key, bound in (("nv_a16", NVFP4_W4A16_VS_SOURCE_MEAN_KL), ("nv_a4", NVFP4_W4A4_VS_SOURCE_MEAN_KL)):
-        m = _cmp(family, "src", key)
-        assert m["mean_kl"] < bound, (key, m["mean_kl"])
-    # activation quantization must actually happen in W4A4: it differs from W4A16
-    assert _score(family, "nv_a4") != _score(family, "nv_a16")
+def test_swapped_layers_are_far_from_source(family):
+    """A broken conversion (layer 1 and 2 MLP tensors swapped) loads, but its KL to the source
+    is far above the correct conversion's."""
+    good, bad = _cmp(family, "src", "auto"), _cmp(family, "src", "broken")
+    assert bad["mean_kl"] > BROKEN_MIN_KL_RATIO * good["mean_kl"], (bad["mean_kl"], good["mean_kl"])
+    assert bad["top1_agreement"] < good["top1_agreement"]
+
+
+# --------------------------------------------------------------------------------------------
+# qconvert verify --engine vllm (the CLI, in its own vLLM process)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_ck(tmp_path_factory):
+    return checkpoints(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+def _verify_cli(src, dst, *extra):
+    from click.testing import CliRunner
+
+    from qconvert.cli import main
+
+    r = CliRunner().invoke(main, ["verify", str(src), str(dst), "--json", *extra])
+    out = r.stdout
+    start = 0 if out.startswith("{") else out.find("\n{") + 1
+    report = json.loads(out[start:]) if "{" in out else None
+    return r, report
+
+
+def test_verify_engine_vllm_reports_agreement_and_kl(dense_ck):
+    r, rep = _verify_cli(dense_ck["src"], dense_ck["auto"], "--engine", "vllm")
+    assert r.exit_code == 0, r.output[-3000:]
+    eng = rep["engine"]
+    assert eng["available"] and "error" not in eng, eng
+    assert rep["checks"]["engine"] == "ok"
+    assert eng["positions"] > 10
+    # MXFP8 of the dense demo model on VERIFY_PROMPTS: measured top-1 0.873, mean KL 0.0227 (71 pos.)
+    assert 0.6 <= eng["top1_agreement"] <= 1.0, eng
+    assert 0.0 < eng["mean_kl"] < MXFP8_VS_SOURCE_MEAN_KL, eng
+
+
+def test_verify_fails_swapped_layers(dense_ck):
+    """The swapped-layer checkpoint fails verify's own checks (no engine needed; its engine KL is
+    checked in test_swapped_layers_are_far_from_source, in the shared vLLM process; through
+    ``verify --engine vllm`` it measured top-1 0.38, mean KL 0.83)."""
+    r, rep = _verify_cli(dense_ck["src"], dense_ck["broken"])
+    assert r.exit_code == 1, r.output[-3000:]
+    assert any(SWAP[0] in f or SWAP[1] in f for f in rep["failures"]), rep["failures"][:5]
 
 
 # --------------------------------------------------------------------------------------------
