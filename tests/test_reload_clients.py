@@ -324,7 +324,7 @@ def test_vllm_contract_mismatch_refused_before_pause(ckpt, tmp_path):
     save_file({"w": torch.zeros(4, 8, dtype=torch.bfloat16)}, ckpt / "model.safetensors")
     srv = FakeServer(vllm_routes({"root": str(launch)}))
     try:
-        with pytest.raises(ReloadError, match="tensors_sha256"):
+        with pytest.raises(ReloadError, match=r"tensor w is BF16\[4, 4\] served but BF16\[4, 8\] new"):
             reload_vllm([srv.url], ckpt)
         assert "/pause" not in srv.paths()
     finally:

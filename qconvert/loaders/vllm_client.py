@@ -340,6 +340,12 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
             have = None
         want = expected_contract if expected_contract is not None else checkpoint_contract(path)
         if have is not None and (diff := contract_mismatch(want, have)):
+            if expected_contract is None:  # name the exact difference when both are directories
+                from qconvert.loaders.compat import ReloadIncompatible, check_reload_compatible
+                try:
+                    check_reload_compatible(previous, path)
+                except ReloadIncompatible as e:
+                    raise ReloadError(f"{client.url}: {e}") from None
             raise ReloadError(f"{client.url}: {path} does not match the layout of the served checkpoint "
                               f"{previous} ({', '.join(diff)} differ); convert it with the same options "
                               "or restart the server on it")
