@@ -40,12 +40,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _convert(src: Path, dst: Path, last_n_bf16: int = 1) -> Path:
+def _convert(src: Path, dst: Path, last_n_bf16: int = 1, fmt: str = "mxfp8") -> Path:
+    """fmt: mxfp8 (auto dialect), mxfp8-modelopt, nvfp4 (ModelOpt W4A16), nvfp4-w4a4 (unit input scales)."""
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
-    convert(str(src), dst, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=last_n_bf16),
-                                                   fsync=False, progress=False))
+    scheme = fmt.split("-")[0]
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16),
+                          fsync=False, progress=False)
+    if fmt == "mxfp8-modelopt":
+        opts.dialect = "modelopt"
+    if fmt == "nvfp4-w4a4":
+        opts.input_mode = "unit"
+    convert(str(src), dst, scheme, opts)
     return dst
 
 
@@ -55,7 +62,7 @@ def _make_pair(root: Path, kind: str) -> tuple[Path, Path, Path]:
     b = build_demo_model(root / f"{arch}-b-bf16", arch=arch, seed=1)
     if fmt == "bf16":
         return a, b, b
-    return _convert(a, root / f"{arch}-a-{fmt}"), _convert(b, root / f"{arch}-b-{fmt}"), b
+    return _convert(a, root / f"{arch}-a-{fmt}", fmt=fmt), _convert(b, root / f"{arch}-b-{fmt}", fmt=fmt), b
 
 
 class Server:
@@ -110,7 +117,10 @@ class Server:
         return out
 
 
-KINDS = ["qwen3:bf16", "qwen3-moe:bf16", "qwen3:mxfp8", "qwen3-moe:mxfp8"]
+# Every format the vLLM CPU build executes with qconvert's plugin; the heavier checks below run on a
+# subset, the reload round trip on all of them.
+KINDS = ["qwen3:bf16", "qwen3-moe:bf16", "qwen3:mxfp8", "qwen3-moe:mxfp8", "qwen3:mxfp8-modelopt",
+         "qwen3:nvfp4", "qwen3-moe:nvfp4", "qwen3:nvfp4-w4a4"]
 
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.replace(":", "-"))
