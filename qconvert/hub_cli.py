@@ -37,14 +37,16 @@ def inspect(ckpt, as_json, limit):
               help="Fail a quantized tensor whose relative error exceeds X (default: 0.06 MXFP8, 0.16 NVFP4).")
 @click.option("--engine", type=click.Choice(["vllm"]), default=None,
               help="Also run SRC and DST in the engine and compare next-token distributions.")
+@click.option("--max-kl", type=float, default=None,
+              help="With --engine: fail when the mean next-token KL exceeds X (default: 0.1 MXFP8, 0.55 NVFP4).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 @handle_errors
-def verify(src, dst, as_json, max_rel_err, engine, progress):
+def verify(src, dst, as_json, max_rel_err, engine, max_kl, progress):
     """Dequantize DST, compare it with its BF16 source SRC, and check its metadata; exit 1 on failure."""
     from .verify import format_report, verify as run_verify
 
     log = (lambda s: click.echo(s, err=True)) if as_json else (lambda s: click.echo(s, err=True))
-    r = run_verify(src, dst, max_rel_err=max_rel_err, progress=progress, log=log, engine=engine)
+    r = run_verify(src, dst, max_rel_err=max_rel_err, progress=progress, log=log, engine=engine, max_kl=max_kl)
     if as_json:
         click.echo(json.dumps(r.to_dict(), indent=2, default=str))
     else:

@@ -251,3 +251,17 @@ def test_verify_engine_flag_reports_unavailable_or_runs(demo, monkeypatch):
     assert r.ok
     assert r.engine["available"] is False and "unavailable" in r.engine["message"]
     assert r.checks["engine"].startswith("skipped")
+
+
+def test_verify_engine_kl_bound(demo, monkeypatch):
+    """A checkpoint that runs in the engine but drifts from its source fails on the KL bound."""
+    import qconvert.verify as V
+
+    def fake(src, dst, engine, log):
+        return {"available": True, "mean_kl": 0.3, "top1_agreement": 0.5, "positions": 40}
+    monkeypatch.setattr(V, "engine_compare", fake)
+    r = verify(str(demo["bf16"]), str(demo["auto"]), engine="vllm")
+    assert not r.ok and r.checks["engine"] == "FAILED"
+    assert any("mean next-token KL 0.3000" in f and "exceeds 0.1" in f for f in r.failures), r.failures
+    r = verify(str(demo["bf16"]), str(demo["auto"]), engine="vllm", max_kl=0.5)
+    assert r.ok and r.checks["engine"] == "ok"
