@@ -59,19 +59,19 @@ NVFP4_RECIPES = ("te", "modelopt")
 
 _FLT_MAX = torch.finfo(torch.float32).max
 _E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Decision points between neighbouring magnitudes. At a tie RNE goes to the even code: the
-# lower neighbour at 0.25, 1.25, 2.5, 5 (codes 0, 2, 4, 6), the upper one at 0.75, 1.75, 3.5.
-# Each entry is (threshold, tie goes up).
-_E2M1_THRESHOLDS = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
 
+# E2M1 rounding on the fp32 bit pattern (integer ops, no comparison passes):
+# * |v| >= 1 (codes 2..7): RNE to one mantissa bit; (biased exponent << 1 | mantissa bit) - 252
+#   is the code (1.0 -> 2, 6.0 -> 7). Saturation and NaN: |bits| clamped at bits(6.0) first.
+# * |v| < 1 (codes 0..2, step 0.5): one fp32 add to 2^22, where the fp32 spacing is 0.5, rounds
+#   |v| to a multiple of 0.5 with the hardware's RNE; the low bits of the sum are the code.
+# Both are evaluated on clamped copies (|v| >= 1 resp. <= 1) and combined as lo + hi - 2, so
+# there is no select. Ties: 0.25, 1.25, 2.5, 5 go down and 0.75, 1.75, 3.5 up, as RNE requires.
+_ONE_BITS = 0x3F800000
+_SIX_BITS = 0x40C00000
+_TWO22 = 4194304.0  # 2^22
+_HI_BIAS = 0x1FFFFF - (252 << 22)  # round-half-up term of the 22 dropped bits, minus code offset
+_LO_BIAS = -((149 << 23) + 2)  # bits(2^22), and the "- 2" of lo + hi - 2
 
 def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of 4-bit E2M1 codes (any integer tensor; only the low nibble is read).
@@ -83,18 +83,35 @@ def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return table[(codes.to(torch.int64) & 0xF)].to(dtype)
 
 
+def _e2m1_code_i32(v: torch.Tensor, te_sign: bool, bufs=None) -> torch.Tensor:
+    """Signed E2M1 codes (int32, 0..15) of contiguous fp32 ``v``, whose storage is scratch.
+
+    ``te_sign``: the sign is the sign bit of ``v`` (TE / CUDA ``cvt``); otherwise ``v < 0``
+    (ModelOpt: -0.0 and NaN give 0). ``bufs``: optional three int32 buffers shaped like ``v``
+    (the result is the first).
+    """
+    bits = v.view(torch.int32)
+    a, sign, odd = bufs if bufs is not None else (torch.empty_like(bits) for _ in range(3))
+    if te_sign:
+        torch.bitwise_right_shift(bits, 28, out=sign).bitwise_and_(8)
+    else:
+        sign.copy_(torch.lt(v, 0)).bitwise_left_shift_(3)
+    torch.bitwise_and(bits, 0x7FFFFFFF, out=a).clamp_(max=_SIX_BITS)
+    # |v| < 1: clamp at 1.0, add 2^22 (in v's storage: its bits are no longer needed)
+    lo = torch.clamp(a.view(torch.float32), max=1.0, out=v).add_(_TWO22).view(torch.int32)
+    # |v| >= 1: clamp at 1.0, RNE to one mantissa bit
+    a.clamp_(min=_ONE_BITS)
+    torch.bitwise_right_shift(a, 22, out=odd).bitwise_and_(1)
+    a.add_(odd).add_(_HI_BIAS).bitwise_right_shift_(22)
+    return a.add_(lo).add_(_LO_BIAS).bitwise_or_(sign)
+
+
 def e2m1_magnitude_code(a: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude index (uint8, 0..7) of ``a >= 0``: round to nearest even, saturate at 6.
 
-    Counting the thresholds that ``a`` does *not* exceed and subtracting from 7 is exact RNE
-    and about 4x faster on CPU than ``searchsorted`` (seven fused compare passes, no binary
-    search). Written as "not exceeded" so that NaN, which fails every comparison, maps to 7
-    like the references do.
+    Read off the fp32 bit pattern (see ``_e2m1_code_i32``); NaN maps to 7 like the references.
     """
-    below = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for threshold, tie_up in _E2M1_THRESHOLDS:
-        below += (a < threshold) if tie_up else (a <= threshold)
-    return 7 - below  # stays uint8
+    return _e2m1_code_i32(a.float().abs(), te_sign=True).to(torch.uint8)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -105,14 +122,31 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
+def _pack_i32_into(code: torch.Tensor, out: torch.Tensor, tmp64: torch.Tensor | None = None) -> None:
+    """Pack contiguous int32 codes (0..15) [m] into uint8 ``out`` [m/2]: one int64 view, one
+    shift, one or, one narrowing copy (little-endian: element 2j is the low word)."""
+    p = code.view(torch.int64)
+    t = torch.bitwise_right_shift(p, 28, out=tmp64)
+    out.copy_(t.bitwise_or_(p))  # int64 -> uint8 keeps the low byte
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: uint8 [..., K/2] -> codes uint8 [..., K]."""
     p = packed.to(torch.uint8)
     return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
+_CONSTS: dict = {}
+
+
 def _f32(value, device) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+    """fp32 0-dim constant; cached (never written to), since building one costs more than an op
+    on a cache-sized chunk."""
+    key = (float(value), str(device))
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+    return t
 
 
 def nvfp4_scale_2(global_amax: torch.Tensor) -> torch.Tensor:
@@ -150,8 +184,122 @@ def _block_scales_modelopt(blk_amax: torch.Tensor, g: torch.Tensor, scale_2: tor
     return scale, div
 
 
+def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
+    dev = x.device
+    if global_amax is None:
+        if not x.numel():
+            return _f32(0.0, dev)
+        lo, hi = torch.aminmax(x)  # one pass, exact, NaN propagates (= max|x|)
+        return torch.maximum(lo.abs(), hi.abs()).float()
+    if torch.is_tensor(global_amax):
+        return global_amax.detach().to(device=dev, dtype=torch.float32).reshape(())
+    return _f32(global_amax, dev)
+
+
+def _scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
+    dev = g.device
+    scale_2 = nvfp4_scale_2(g)
+    if recipe == "te":
+        # TE clamps S_enc = 2688/g at FLT_MAX (g below ~7.9e-36): the decode scale is then
+        # 1/S_enc, not g/2688, or the stored blocks would decode too small.
+        s_enc = _f32(NVFP4_GLOBAL_DIV, dev) / g
+        scale_2 = torch.where((g > 0) & (s_enc > _f32(_FLT_MAX, dev)), _f32(1.0, dev) / _f32(_FLT_MAX, dev), scale_2)
+    return scale_2
+
+
+_INT_OF = {2: torch.int16, 4: torch.int32}
+
+
+def _block_amax(xb: torch.Tensor) -> torch.Tensor:
+    """max|x| per block of ``xb [n, 16]`` as fp32 [n], exact. For 2- and 4-byte floats on the
+    bit pattern: clearing the sign bit gives |x|, and non-negative floats order like their bits
+    (a NaN's bits exceed inf's, so NaN propagates as a NaN); about 4x cheaper on CPU for BF16."""
+    it = _INT_OF.get(xb.element_size())
+    if it is None or xb.device.type != "cpu":
+        return xb.abs().amax(dim=-1).float()
+    mask = 0x7FFF if it is torch.int16 else 0x7FFFFFFF
+    return (xb.view(it) & mask).amax(dim=-1).view(xb.dtype).float()
+
+
+def _quantize_blocks(xb: torch.Tensor, g: torch.Tensor, scale_2: torch.Tensor, recipe: str,
+                     packed: torch.Tensor, scale: torch.Tensor, bufs=None) -> None:
+    """Quantize blocks ``xb [n, 16]`` into ``packed`` (uint8 [n, 8]) and ``scale`` (e4m3 [n]).
+
+    ``bufs``: optional (fp32 [m, 16], int32 [m, 16] x 3, int64 [m, 8]) scratch with m >= n; the CPU
+    path passes cache-sized ones. The pure tensor chain is the same on every device.
+    """
+    n = xb.shape[0]
+    blk_amax = _block_amax(xb)
+    if recipe == "te":
+        sc, inv = _block_scales_te(blk_amax, g)
+        v = torch.mul(xb, inv.unsqueeze(-1), out=None if bufs is None else bufs[0][:n])
+    else:
+        sc, div = _block_scales_modelopt(blk_amax, g, scale_2)
+        v = torch.div(xb, div.unsqueeze(-1), out=None if bufs is None else bufs[0][:n])
+    scale.copy_(sc)
+    if bufs is None:
+        code = _e2m1_code_i32(v, recipe == "te")
+        packed.copy_((code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8))
+    else:
+        code = _e2m1_code_i32(v, recipe == "te", tuple(b[:n] for b in bufs[1:4]))
+        _pack_i32_into(code.view(-1), packed.view(-1), bufs[4][:n].view(-1))
+
+
+#: Blocks per CPU work item: 8192 blocks of 16 are 512 KB of fp32 per scratch buffer (five of
+#: them, 2.5 MB per worker), so no temporary the size of the whole tensor is ever made.
+CPU_CHUNK_BLOCKS = 8192
+#: Tensors of at most this many blocks are quantized in one pass in the calling thread.
+SMALL_BLOCKS = 1024
+
+
+def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
+    """Chunks of CPU_CHUNK_BLOCKS handed out to ``workers`` threads (single-threaded in torch),
+    as mxfp8.py does: one OpenMP fork/join per small op would cost more than the op."""
+    import threading
+
+    from .mxfp8 import _pool
+
+    n = xb.shape[0]
+    chunk = CPU_CHUNK_BLOCKS
+    if n <= SMALL_BLOCKS:
+        _quantize_blocks(xb, g, scale_2, recipe, packed, scale)
+        return
+    starts = iter(range(0, n, chunk))
+    lock = threading.Lock()
+
+    def work():
+        bufs = (torch.empty(chunk, NVFP4_BLOCK), *(torch.empty(chunk, NVFP4_BLOCK, dtype=torch.int32) for _ in range(3)),
+                torch.empty(chunk, NVFP4_BLOCK // 2, dtype=torch.int64))
+        while True:
+            with lock:
+                i = next(starts, None)
+            if i is None:
+                return
+            _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
+
+    workers = max(1, workers)
+    futures = [_pool(workers).submit(work) for _ in range(min(workers, -(-n // chunk)))]
+    for fut in futures:
+        fut.result()
+
+
+def nvfp4_quantize_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
+    """Pure tensor core of :func:`nvfp4_quantize` on blocks ``xb [n, 16]`` with the global amax
+    ``g`` (fp32 0-dim tensor): ``(packed uint8 [n, 8], block_scale e4m3 [n], scale_2)``.
+
+    No Python branches on values and one flat shape, so ``torch.compile`` (see
+    :func:`compiled_nvfp4_blocks`) traces it once for every tensor.
+    """
+    scale_2 = _scale_2(g, recipe)
+    n = xb.shape[0]
+    packed = torch.empty(n, NVFP4_BLOCK // 2, dtype=torch.uint8, device=xb.device)
+    scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
+    _quantize_blocks(xb, g, scale_2, recipe, packed, scale)
+    return packed, scale, scale_2
+
+
 def nvfp4_quantize(
-    x: torch.Tensor, global_amax=None, recipe: str = "te"
+    x: torch.Tensor, global_amax=None, recipe: str = "te", workers: int | None = None, blocks_fn=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., K]`` (K % 16 == 0) along the last axis.
 
@@ -159,6 +307,10 @@ def nvfp4_quantize(
     scale_2 fp32 0-dim = global_amax / 2688)``. ``global_amax`` (float or tensor) overrides
     ``max|x|`` so that fused shards can share one global scale. ``recipe``: ``"te"`` or
     ``"modelopt"`` (see the module docstring for the exact formulas).
+
+    On CPU the blocks are processed in cache-sized chunks by ``workers`` threads (default:
+    torch's intra-op thread count); elsewhere in one pass, through ``blocks_fn`` if given (a
+    compiled :func:`nvfp4_quantize_blocks`). Every path gives the same bytes.
     """
     if recipe not in NVFP4_RECIPES:
         raise ValueError(f"unknown NVFP4 recipe {recipe!r}; expected one of {NVFP4_RECIPES}")
@@ -169,37 +321,51 @@ def nvfp4_quantize(
     k = x.shape[-1]
     lead = x.shape[:-1]
     dev = x.device
-    # |x| in the input dtype is exact, and so is its max; only then widen (half the traffic
-    # for BF16 input).
-    blk_amax = x.reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=-1).float()
-    if global_amax is None:
-        g = blk_amax.amax() if blk_amax.numel() else _f32(0.0, dev)
-    else:
-        g = _f32(global_amax, dev) if not torch.is_tensor(global_amax) else (
-            global_amax.detach().to(device=dev, dtype=torch.float32).reshape(())
-        )
-    scale_2 = nvfp4_scale_2(g)
-    if recipe == "te":
-        # TE clamps S_enc = 2688/g at FLT_MAX (g below ~7.9e-36): the decode scale is then
-        # 1/S_enc, not g/2688, or the stored blocks would decode too small.
-        s_enc = _f32(NVFP4_GLOBAL_DIV, dev) / g
-        scale_2 = torch.where((g > 0) & (s_enc > _f32(_FLT_MAX, dev)), _f32(1.0, dev) / _f32(_FLT_MAX, dev), scale_2)
+    g = _global_amax(x, global_amax)
+    xb = x.reshape(-1, NVFP4_BLOCK)
+    if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:
+        scale_2 = _scale_2(g, recipe)
+        packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=dev)
+        scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
+        if xb.shape[0]:
+            pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
+            if dev.type == "cpu":
+                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, torch.get_num_threads() if workers is None else workers)
+            else:
+                _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
+        return packed, scale, scale_2
+    packed, scale, scale_2 = blocks_fn(xb, g, recipe)
+    return packed.reshape(*lead, k // 2), scale.reshape(*lead, k // NVFP4_BLOCK), scale_2
 
-    xb = x.reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    owned = xb.dtype != torch.float32  # .float() made a copy we may overwrite
-    xb = xb.float()
-    if recipe == "te":
-        scale, inv = _block_scales_te(blk_amax, g)
-        v = xb.mul_(inv.unsqueeze(-1)) if owned else xb * inv.unsqueeze(-1)
-        sign = torch.signbit(v)
-    else:
-        scale, div = _block_scales_modelopt(blk_amax, g, scale_2)
-        v = xb.div_(div.unsqueeze(-1)) if owned else xb / div.unsqueeze(-1)
-        sign = v < 0
-    code = e2m1_magnitude_code(v.abs_())
-    code |= sign.to(torch.uint8) << 3
-    packed = pack_fp4(code.reshape(*lead, k))
-    return packed, scale, scale_2
+
+_compiled: dict = {}
+
+
+def inductor_exact_options() -> dict | None:
+    """Inductor settings under which compiled fp32 arithmetic equals eager bit for bit: IEEE
+    division (Triton's ``/`` is the approximate ``div.full.f32``; Inductor also lowers
+    ``1 / x`` to it) and no flush of fp32 subnormals. None if this torch has no such switch."""
+    import torch._inductor.config as cfg
+
+    keys = set(cfg.get_config_copy())
+    opts = {}
+    for k in ("eager_numerics.division_rounding", "emulate_division_rounding"):
+        if k in keys:
+            opts[k] = True
+    if not opts:
+        return None
+    if "eager_numerics.disable_ftz" in keys:
+        opts["eager_numerics.disable_ftz"] = True
+    return opts
+
+
+def compiled_nvfp4_blocks():
+    """``torch.compile`` of :func:`nvfp4_quantize_blocks` (dynamic block count) with
+    :func:`inductor_exact_options`, or None where this torch cannot promise eager's bytes."""
+    if "fn" not in _compiled:
+        opts = inductor_exact_options()
+        _compiled["fn"] = None if opts is None else torch.compile(nvfp4_quantize_blocks, dynamic=True, options=opts)
+    return _compiled["fn"]
 
 
 def nvfp4_dequantize(
