@@ -107,6 +107,7 @@ class Job:
     outputs: list[dialects.OutTensor]
     fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     fmt: str
+    device_input: bool = False  # the reader thread moves its sources to opts.device (CUDA overlap)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -124,36 +125,16 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 
 #: Worker threads for CPU quantization (all cores; the reader and writer threads mostly wait on I/O).
 CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-#: Elements per CPU work item of :func:`_by_row_chunks` (temporaries stay in cache).
-ROW_CHUNK_ELEMS = 1 << 18
-
-
-def _by_row_chunks(fn, x: torch.Tensor, **kw):
-    """``fn(x, **kw)`` for a quantizer that works block by block along the last axis, run on
-    row chunks by the CPU worker threads (as MXFP8 does internally) and concatenated.
-
-    Bit-identical to one call as long as nothing depends on other rows: callers pass the
-    tensor-wide values (NVFP4's global amax) in ``kw``. Outputs with ``x``'s leading dims are
-    concatenated; others (0-dim global scales) are taken from the first chunk.
-    """
-    from .numerics.mxfp8 import _pool
-
-    k = x.shape[-1] if x.dim() else 1
-    rows = x.numel() // k if k else 0
-    per = max(1, ROW_CHUNK_ELEMS // max(k, 1))
-    workers = CPU_WORKERS
-    if x.device.type != "cpu" or x.dim() < 2 or rows <= per or workers == 1:
-        return fn(x, **kw)
-    lead = x.shape[:-1]
-    x2 = x.reshape(rows, k)
-    parts = list(_pool(workers).map(lambda i: fn(x2[i:i + per], **kw), range(0, rows, per)))
-    out = []
-    for j, first in enumerate(parts[0]):
-        if first.dim() == 0:
-            out.append(first)
-        else:
-            out.append(torch.cat([p[j] for p in parts]).reshape(*lead, first.shape[-1]))
-    return tuple(out)
+def _blocks_fn(scheme: str, device: str):
+    """Compiled quantizer core on CUDA (bit-identical to eager: nvfp4.inductor_exact_options),
+    None on CPU or with QCONVERT_COMPILE=0."""
+    if device == "cpu" or os.environ.get("QCONVERT_COMPILE", "1") == "0":
+        return None
+    if scheme == "mxfp8":
+        from .numerics.mxfp8 import compiled_mxfp8_blocks
+        return compiled_mxfp8_blocks()
+    from .numerics.nvfp4 import compiled_nvfp4_blocks
+    return compiled_nvfp4_blocks()
 
 
 def _keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -> Job:
@@ -172,13 +153,11 @@ def _mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
         x = src[tp.name]
         if device != "cpu":
             x = x.to(device, non_blocking=True)
-        q, s = mxfp8_quantize(x, workers=CPU_WORKERS)
+        q, s = mxfp8_quantize(x, workers=CPU_WORKERS, blocks_fn=_blocks_fn("mxfp8", device))
         if check_finite and bool((s == 255).any()):
             raise CheckpointError(f"tensor {tp.name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
-        if device != "cpu":
-            q, s = q.cpu(), s.cpu()
-        return {outs[0].name: q, outs[1].name: s}
-    return Job([tp.name], outs, fn, "mxfp8")
+        return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
+    return Job([tp.name], outs, fn, "mxfp8", device_input=device != "cpu")
 
 
 def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: dict | None, check_finite: bool) -> Job:
@@ -197,11 +176,12 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
             raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         result = {}
         for n, x in xs.items():
-            packed, scale, scale_2 = _by_row_chunks(nvfp4_quantize, x, global_amax=g, recipe=opts.recipe)
+            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe, workers=CPU_WORKERS,
+                                                    blocks_fn=_blocks_fn("nvfp4", device))
             outs = outs_of[n]
             mod = n[: -len(".weight")]
-            result[outs[0].name] = packed.cpu()
-            result[outs[1].name] = scale.cpu()
+            result[outs[0].name] = packed  # the writer thread copies device tensors back
+            result[outs[1].name] = scale
             if dialect == "modelopt":
                 result[outs[2].name] = scale_2.cpu().reshape(())
             else:
@@ -213,7 +193,8 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
                 result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
         return result
-    return Job([tp.name for tp in members], [o for tp in members for o in outs_of[tp.name]], fn, "nvfp4")
+    return Job([tp.name for tp in members], [o for tp in members for o in outs_of[tp.name]], fn, "nvfp4",
+               device_input=device != "cpu")
 
 
 def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
@@ -536,6 +517,10 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     inflight = [0]  # input bytes read whose outputs are not yet written: bounds memory in flight
     cond = threading.Condition()
     input_sha: dict[str, str] = {}
+    # CUDA: the reader thread moves quantizer inputs to the device on a side stream, so the
+    # transfer overlaps the calling thread's compute; the writer thread copies outputs back.
+    side = torch.cuda.Stream() if opts.device != "cpu" else None
+    to_device = {s for j in jobs if j.device_input for s in j.sources} if side is not None else set()
 
     def reader():
         try:
@@ -552,6 +537,12 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                             if stop.is_set():
                                 return
                             inflight[0] += e.nbytes
+                        if e.name in to_device:
+                            with torch.cuda.stream(side):
+                                t = t.to(opts.device, non_blocking=True)
+                                ev = torch.cuda.Event()
+                                ev.record(side)
+                            t = (t, ev)
                         read_q.put((e, t))
                     input_sha[h.path.name] = r.sha256()
                 if journal is not None:
@@ -575,6 +566,8 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                         inflight[0] -= t
                         cond.notify()
                     continue
+                if t.device.type != "cpu":
+                    t = t.cpu()
                 i = out_shard[name]
                 w = writers[i]
                 w.write(name, t)
@@ -601,6 +594,10 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             if errors:
                 break
             e, t = item
+            if isinstance(t, tuple):  # moved to the device by the reader on the side stream
+                t, ev = t
+                torch.cuda.current_stream().wait_event(ev)
+                t.record_stream(torch.cuda.current_stream())
             j = job_of[e.name]
             waiting[e.name] = t
             if all(s in waiting for s in j.sources):

@@ -122,16 +122,43 @@ def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: i
         fut.result()
 
 
-def mxfp8_quantize(x: torch.Tensor, workers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure tensor core on blocks ``xb [n, 32]``: (e4m3 [n, 32], uint8 [n]). One flat shape, so
+    ``torch.compile`` (:func:`compiled_mxfp8_blocks`) traces it once for every tensor."""
+    q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn, device=xb.device)
+    s = torch.empty(xb.shape[0], dtype=torch.uint8, device=xb.device)
+    _quantize_blocks(xb, q, s)
+    return q, s
+
+
+_compiled: dict = {}
+
+
+def compiled_mxfp8_blocks():
+    """``torch.compile`` of :func:`mxfp8_quantize_blocks` (dynamic block count, for CUDA) with
+    the Inductor settings that keep fp32 division IEEE (nvfp4.inductor_exact_options), or None."""
+    if "fn" not in _compiled:
+        from .nvfp4 import inductor_exact_options
+
+        opts = inductor_exact_options()
+        _compiled["fn"] = None if opts is None else torch.compile(mxfp8_quantize_blocks, dynamic=True, options=opts)
+    return _compiled["fn"]
+
+
+def mxfp8_quantize(x: torch.Tensor, workers: int | None = None, blocks_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along the last axis. Returns (float8_e4m3fn [..., K], uint8 [..., K/32]).
 
     Every block goes through the same op chain (:func:`_quantize_blocks`) on every device. On
     CPU the blocks are processed in cache-sized chunks by ``workers`` threads (default: torch's
-    intra-op thread count); on other devices the whole tensor is one chunk.
+    intra-op thread count); on other devices the whole tensor is one chunk, through ``blocks_fn``
+    if given (a compiled :func:`mxfp8_quantize_blocks`).
     """
     if x.shape[-1] % MXFP8_BLOCK:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MXFP8_BLOCK}")
     k = x.shape[-1]
+    if blocks_fn is not None and x.device.type != "cpu" and x.numel():
+        q, s = blocks_fn(x.reshape(-1, MXFP8_BLOCK))
+        return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // MXFP8_BLOCK)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], k // MXFP8_BLOCK, dtype=torch.uint8, device=x.device)
     if x.numel() == 0:
