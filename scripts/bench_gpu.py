@@ -36,11 +36,22 @@ import torch  # noqa: E402
 from qconvert.convert.numerics.mxfp8 import mxfp8_quantize  # noqa: E402
 
 E, I, H = 128, 768, 2048
+#: Only for trying this script's logic on a machine without a GPU (QCONVERT_BENCH_DEVICE=cpu).
+DEV = os.environ.get("QCONVERT_BENCH_DEVICE", "cuda")
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 def cuda_ms(fn, reps=10, warm=2):
     for _ in range(warm):
         fn()
+    if DEV != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
@@ -54,55 +65,118 @@ def cuda_ms(fn, reps=10, warm=2):
 
 
 def copy_bandwidth(nbytes=4 << 30):
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    nbytes = nbytes if DEV == "cuda" else 1 << 26
+    x = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     ms = cuda_ms(lambda: y.copy_(x))
     del x, y
-    torch.cuda.empty_cache()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     return 2 * nbytes / (ms / 1e3), ms
 
 
-def _u8(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t
+def _same(o1, o2):
+    """Byte equality (a NaN global scale equals itself)."""
+    return all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(o1, o2))
 
 
 def quantize_step(results, copy_bw):
-    from qconvert.convert.numerics.nvfp4 import nvfp4_quantize
+    """Quantize step as the pipeline runs it on CUDA: the compiled block cores (dynamic block count,
+    Inductor with IEEE division) vs eager; plus plain torch.compile (default Inductor division) to
+    show why compiled NVFP4 differed from eager before."""
+    from qconvert.convert.numerics import nvfp4 as nv
+    from qconvert.convert.numerics.mxfp8 import compiled_mxfp8_blocks
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.02).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.02).bfloat16()
+    results["inductor_exact_options"] = nv.inductor_exact_options()
+    e = E if DEV == "cuda" else 2
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w13 = (torch.randn(e, 2 * I, H, device=DEV, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(e, H, I, device=DEV, generator=g) * 0.02).bfloat16()
     n = w13.numel() + w2.numel()
-    ga = torch.tensor(0.2, device="cuda")
-    variants = {
-        "mxfp8": (lambda x: mxfp8_quantize(x), 2 * n + n + n // 32),
-        "nvfp4": (lambda x: nvfp4_quantize(x, global_amax=ga), 2 * n + n // 2 + n // 16),
-    }
+    ga = torch.tensor(0.2, device=DEV)
+    mx_c, nv_c = compiled_mxfp8_blocks(), nv.compiled_nvfp4_blocks()
+    nv_plain = torch.compile(nv.nvfp4_quantize_blocks, dynamic=True)
+    mx_b, nv_b = 2 * n + n + n // 32, 2 * n + n // 2 + n // 16
+    variants = [  # scheme, mode, fn, bytes
+        ("mxfp8", "eager", lambda x: mxfp8_quantize(x), mx_b),
+        ("mxfp8", "compile (pipeline)", (lambda x: mxfp8_quantize(x, blocks_fn=mx_c)) if mx_c else None, mx_b),
+        ("nvfp4 te", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga), nv_b),
+        ("nvfp4 te", "compile (pipeline)", (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_c)) if nv_c else None, nv_b),
+        ("nvfp4 te", "compile, default Inductor division", lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_plain), nv_b),
+        ("nvfp4 modelopt", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt"), nv_b),
+        ("nvfp4 modelopt", "compile (pipeline)", (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=nv_c)) if nv_c else None, nv_b),
+    ]
     rows = []
-    for scheme, (fn, nbytes) in variants.items():
-        eager = [fn(w13), fn(w2)]
-        for mode in ("eager", "compile"):
-            f = fn if mode == "eager" else torch.compile(fn, dynamic=False)
-            t0 = time.time()
-            try:
-                outs = [f(w13), f(w2)]
-            except Exception as err:  # noqa: BLE001 - report, don't die
-                rows.append({"scheme": scheme, "mode": mode, "error": f"{type(err).__name__}: {str(err)[:200]}"})
-                continue
-            compile_s = time.time() - t0
-            same = all(torch.equal(_u8(a), _u8(b)) for o1, o2 in zip(eager, outs) for a, b in zip(o1, o2))
-            ms = cuda_ms(lambda: (f(w13), f(w2)))
-            bw = nbytes / (ms / 1e3)
-            rows.append({"scheme": scheme, "mode": mode, "ms_per_layer": round(ms, 3), "x48_s": round(ms * 48 / 1e3, 3),
-                         "GBps": round(bw / 1e9, 1), "fraction_of_copy": round(bw / copy_bw, 3),
-                         "bit_identical_to_eager": same, "first_call_s": round(compile_s, 1)})
+    eager = {}
+    for scheme, mode, fn, nbytes in variants:
+        if fn is None:
+            rows.append({"scheme": scheme, "mode": mode, "error": "no Inductor switch for IEEE division in this torch"})
+            continue
+        t0 = time.time()
+        try:
+            outs = [fn(w13), fn(w2)]
+            _sync()
+        except Exception as err:  # noqa: BLE001 - report, don't die
+            rows.append({"scheme": scheme, "mode": mode, "error": f"{type(err).__name__}: {str(err)[:300]}"})
             print(json.dumps(rows[-1]), flush=True)
+            continue
+        first_s = time.time() - t0
+        if mode == "eager":
+            eager[scheme] = outs
+        same = all(_same(o1, o2) for o1, o2 in zip(eager[scheme], outs))
+        ms = cuda_ms(lambda: (fn(w13), fn(w2)))
+        bw = nbytes / (ms / 1e3)
+        rows.append({"scheme": scheme, "mode": mode, "ms_per_layer": round(ms, 3), "x48_s": round(ms * 48 / 1e3, 3),
+                     "GBps": round(bw / 1e9, 1), "fraction_of_copy": round(bw / copy_bw, 3),
+                     "bit_identical_to_eager": same, "first_call_s": round(first_s, 1)})
+        print(json.dumps(rows[-1]), flush=True)
     results["quantize"] = rows
-    del w13, w2
-    torch.cuda.empty_cache()
+    del w13, w2, eager
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+    # Exhaustive: every finite and non-finite BF16 pattern (shuffled into blocks) x global scales,
+    # compiled (pipeline) vs CUDA eager vs CPU, both NVFP4 recipes and MXFP8.
+    allbf = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    perm = torch.randperm(1 << 16, generator=torch.Generator().manual_seed(0))
+    cpu_inputs = [allbf.reshape(-1, 256), allbf[perm].reshape(-1, 256)]
+    checks = {"cases": 0, "compiled_vs_eager_mismatch": 0, "cuda_vs_cpu_mismatch": 0, "first": []}
+    for x in cpu_inputs:
+        finite = x.clone()
+        finite[~torch.isfinite(finite)] = 0
+        for src in (x, finite):
+            xc = src.to(DEV)
+            cases = [("mxfp8", None, None)] + [(r, None, None) for r in ("te", "modelopt")] + [
+                (r, gsc, None) for r in ("te", "modelopt") for gsc in [2.0 ** e for e in range(-140, 130, 9)] + [0.0]]
+            for recipe, gsc, _ in cases:
+                checks["cases"] += 1
+                if recipe == "mxfp8":
+                    cpu = mxfp8_quantize(src)
+                    eg = mxfp8_quantize(xc)
+                    cp = mxfp8_quantize(xc, blocks_fn=mx_c) if mx_c is not None else eg
+                else:
+                    cpu = nv.nvfp4_quantize(src, global_amax=gsc, recipe=recipe)
+                    eg = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe)
+                    cp = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=nv_c) if nv_c is not None else eg
+                if not _same(eg, cp):
+                    checks["compiled_vs_eager_mismatch"] += 1
+                    checks["first"].append(f"compiled {recipe} {gsc}")
+                if not _same([t.cpu() for t in eg], cpu):
+                    checks["cuda_vs_cpu_mismatch"] += 1
+                    checks["first"].append(f"cuda-vs-cpu {recipe} {gsc}")
+    checks["first"] = checks["first"][:10]
+    results["exhaustive"] = checks
+    print(json.dumps(checks), flush=True)
 
 
-def conversion(results, a):
+def _manifest_sha(dst: Path):
+    try:
+        return json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def conversion(results, a, save):
     import bench_convert as bc
 
     work = Path(a.work)
@@ -115,25 +189,33 @@ def conversion(results, a):
     results["synthetic_make_s"] = round(time.time() - t0, 1)
     sizes_in = bc._shard_sizes(src)
     rows = []
+    results["conversion"] = rows
+    # cuda twice (the first pays torch.compile, later processes hit Inductor's on-disk caches),
+    # cuda eager (QCONVERT_COMPILE=0), then cpu; a floor process right after each.
+    runs = [(DEV, "compile, first", {}), (DEV, "compile", {}), (DEV, "eager", {"QCONVERT_COMPILE": "0"})]
+    if a.cpu_too:
+        runs.append(("cpu", "eager", {}))
     for scheme in a.schemes.split(","):
-        for device in ("cuda", "cpu"):
-            if device == "cpu" and not a.cpu_too:
-                continue
+        ref_sha = None
+        for device, mode, env in runs:
             dst = work / f"out-{scheme}-{device}"
             cmd = bc._py() + ["_qconvert", scheme, str(src), str(dst), "--device", device]
-            m = bc.run_measured(cmd, log=work / "log.txt")
+            m = bc.run_measured(cmd, log=work / "log.txt", env=env)
             out_sizes = bc._shard_sizes(dst) if dst.exists() else {}
+            sha = _manifest_sha(dst)
+            ref_sha = ref_sha or sha
             shutil.rmtree(dst, ignore_errors=True)
             f = bc.run_measured(bc.cmd_floor(src, work / "out-floor", out_sizes, False), log=work / "log.txt") if out_sizes else None
             shutil.rmtree(work / "out-floor", ignore_errors=True)
-            row = {"scheme": scheme, "device": device, "wall": round(m["wall"], 2), "rc": m["rc"],
-                   "rss_GiB": round(m["rss"] / 2**30, 2), "bytes_in": sum(sizes_in.values()),
+            row = {"scheme": scheme, "device": device, "mode": mode, "wall": round(m["wall"], 2), "rc": m["rc"],
+                   "cpu_s": round(m["cpu"], 1), "rss_GiB": round(m["rss"] / 2**30, 2), "bytes_in": sum(sizes_in.values()),
                    "bytes_out": sum(out_sizes.values()),
                    "floor_wall": round(f["wall"], 2) if f else None,
-                   "ratio": round(m["wall"] / f["wall"], 2) if f else None}
+                   "ratio": round(m["wall"] / f["wall"], 2) if f else None,
+                   "same_bytes_as_first": (sha == ref_sha) if sha else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    results["conversion"] = rows
+            save()
     try:
         results["log_tail"] = (work / "log.txt").read_text()[-3000:]
     except OSError:
@@ -152,12 +234,15 @@ def table(res) -> str:
         else:
             L.append(f"| {r['scheme']} | {r['mode']} | {r['ms_per_layer']:.2f} | {r['x48_s']:.2f} s | {r['GBps']:.0f} | "
                      f"{r['fraction_of_copy']:.3f} | >= 0.70 | {r['bit_identical_to_eager']} |")
+    if res.get("exhaustive"):
+        L += ["", f"Exhaustive check (every BF16 pattern x global scales, both NVFP4 recipes and MXFP8): {res['exhaustive']}"]
     if res.get("conversion"):
-        L += ["", "| scheme | device | input | output | floor wall | qconvert wall | qconvert / floor | peak RSS | rc |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        L += ["", "| scheme | device | mode | input | output | floor wall | qconvert wall | qconvert / floor | CPU s | peak RSS | same bytes as first row | rc |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["conversion"]:
-            L.append(f"| {r['scheme']} | {r['device']} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
-                     f"{r['floor_wall']} s | {r['wall']} s | {r['ratio']} | {r['rss_GiB']} GiB | {r['rc']} |")
+            L.append(f"| {r['scheme']} | {r['device']} | {r['mode']} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
+                     f"{r['floor_wall']} s | {r['wall']} s | {r['ratio']} | {r['cpu_s']} | {r['rss_GiB']} GiB | "
+                     f"{r['same_bytes_as_first']} | {r['rc']} |")
     L += ["", "Reproduce: `python " + " ".join(["scripts/bench_gpu.py"] + res["argv"][1:]) + "`"]
     return "\n".join(L)
 
@@ -171,22 +256,29 @@ def main():
     ap.add_argument("--schemes", default="mxfp8,nvfp4")
     ap.add_argument("--cpu-too", action="store_true", help="also convert on this machine's CPUs")
     ap.add_argument("--skip-conversion", action="store_true")
+    ap.add_argument("--skip-quantize", action="store_true")
     a = ap.parse_args()
     import datetime
     import platform
     res = {"date": datetime.date.today().isoformat(), "argv": sys.argv,
-           "machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+           "machine": f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'no GPU (logic test)'}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                       f"Python {platform.python_version()}"}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every phase, so that a run cut short still leaves its numbers
+        (Path(a.out) / "bench_gpu.json").write_text(json.dumps(res, indent=1, default=str))
+
     bw, ms = copy_bandwidth()
     res["copy_GBps"] = bw / 1e9
     print(f"copy: {bw / 1e9:.0f} GB/s", flush=True)
-    quantize_step(res, bw)
+    if not a.skip_quantize:
+        quantize_step(res, bw)
+        save()
     if not a.skip_conversion:
-        conversion(res, a)
+        conversion(res, a, save)
+    save()
     text = table(res)
     print(text)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "bench_gpu.json").write_text(json.dumps(res, indent=1, default=str))
     (Path(a.out) / "bench_gpu.md").write_text(text + "\n")
 
 
