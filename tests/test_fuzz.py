@@ -260,6 +260,10 @@ nvfp4 = pytest.importorskip("qconvert.convert.numerics.nvfp4", reason="NVFP4 num
 def test_nvfp4_error_bound(x, recipe):
     packed, bs, s2 = nvfp4.nvfp4_quantize(x, recipe=recipe)
     assume(bool(torch.isfinite(s2)) and float(s2) > 0)
+    # Tensors whose decode scale is an fp32 subnormal (max |x| below ~3e-35, all-subnormal BF16):
+    # TE's own operation order then multiplies subnormals and loses precision, so its output has
+    # no such bound; qconvert follows TE there (test_numerics_nvfp4 checks the order itself).
+    assume(float(s2) >= torch.finfo(torch.float32).tiny)
     d = nvfp4.nvfp4_dequantize(packed, bs, s2, torch.float64)
     seff = (bs.double() * float(s2)).repeat_interleave(16, dim=-1)
     ax = x.double().abs()
