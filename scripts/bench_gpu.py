@@ -199,7 +199,8 @@ def conversion(results, a, save):
     results["conversion"] = rows
     # cuda twice (the first pays torch.compile, later processes hit Inductor's on-disk caches),
     # cuda eager (QCONVERT_COMPILE=0), then cpu; a floor process right after each.
-    runs = [(DEV, "compile, first", {}), (DEV, "compile", {}), (DEV, "eager", {"QCONVERT_COMPILE": "0"})]
+    runs = [(DEV, "compile, first", {"QCONVERT_COMPILE": "1"}), (DEV, "compile", {"QCONVERT_COMPILE": "1"}),
+            (DEV, "eager", {"QCONVERT_COMPILE": "0"})]
     if a.cpu_too:
         runs.append(("cpu", "eager", {}))
     for scheme in a.schemes.split(","):

@@ -125,10 +125,14 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 
 #: Worker threads for CPU quantization (all cores; the reader and writer threads mostly wait on I/O).
 CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def _blocks_fn(scheme: str, device: str):
-    """Compiled quantizer core on CUDA (bit-identical to eager: nvfp4.inductor_exact_options),
-    None on CPU or with QCONVERT_COMPILE=0."""
-    if device == "cpu" or os.environ.get("QCONVERT_COMPILE", "1") == "0":
+    """Compiled quantizer core on CUDA with QCONVERT_COMPILE=1 (bit-identical to eager:
+    nvfp4.inductor_exact_options), else None (eager). Off by default: on an H200 the compiled
+    cores quantize ~20x faster, but a whole conversion compiles once per tensor shape and ran
+    3.6-5x the I/O floor against 1.4-1.55x eager (BENCHMARKS.md)."""
+    if device == "cpu" or os.environ.get("QCONVERT_COMPILE", "0") != "1":
         return None
     if scheme == "mxfp8":
         from .numerics.mxfp8 import compiled_mxfp8_blocks
