@@ -208,7 +208,7 @@ def unshuffle(src, dst, force):
 @main.command()
 @click.argument("dst")
 @click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3"]), default="qwen3-moe", show_default=True)
-@click.option("--scheme", type=click.Choice(["mxfp8"]), default="mxfp8", show_default=True)
+@click.option("--scheme", type=click.Choice(["mxfp8", "nvfp4"]), default="mxfp8", show_default=True)
 @click.option("--last-n-bf16", type=int, default=1, show_default=True)
 @click.option("--force", is_flag=True)
 @handle_errors
@@ -226,27 +226,21 @@ def demo(dst, arch, scheme, last_n_bf16, force):
         shutil.rmtree(src)
     build_demo_model(src, arch=arch)
     click.echo(f"built demo model {arch} at {src}")
-    _run_convert(scheme, str(src), str(out), last_n_bf16, 0, (), False, False, force, "cpu", False, None)
+    _run_convert(scheme, str(src), str(out), last_n_bf16, 0, (), False, False, force, "cpu", False, None,
+                 **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
 
 
-def _add_optional_commands():
-    """Commands that live beside their library code (loaders, hub, inspect)."""
-    import importlib
+def _add_subsystem_commands():
+    """Commands that live beside their library code (loaders, hub, inspect). Imported after
+    ``main`` and ``handle_errors`` exist, since those modules use them."""
+    from .hub_cli import inspect, push, verify
+    from .loaders.cli_commands import reload, stage
 
-    for mod, names in (
-        ("qconvert.loaders.cli_commands", ("reload", "stage")),
-        ("qconvert.hub_cli", ("inspect", "verify", "push")),
-    ):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        for n in names:
-            if hasattr(m, n):
-                main.add_command(getattr(m, n))
+    for cmd in (reload, stage, inspect, verify, push):
+        main.add_command(cmd)
 
 
-_add_optional_commands()
+_add_subsystem_commands()
 
 if __name__ == "__main__":
     main()
