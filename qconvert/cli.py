@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
+from .cli_errors import handle_errors
 from .errors import QConvertError
 
 
@@ -18,25 +17,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
-
-
-def handle_errors(fn=None, *, interrupted: str = "interrupted; nothing was installed at DST "
-                                                  "(rerun the same command with --resume to continue)"):
-    """Print a QConvertError as one line and exit 1; Ctrl-C exits 130 without a traceback."""
-    if fn is None:
-        return functools.partial(handle_errors, interrupted=interrupted)
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except QConvertError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo(interrupted, err=True)
-            sys.exit(130)
-    return wrapper
 
 
 def plan_options(fn):

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .cli import handle_errors
+from .cli_errors import handle_errors
 from .errors import QConvertError
 
 

@@ -9,7 +9,7 @@ from qconvert.errors import QConvertError
 
 
 def _errors(fn):
-    from qconvert.cli import handle_errors
+    from qconvert.cli_errors import handle_errors
     return handle_errors(fn, interrupted="interrupted; servers were resumed")
 
 
