@@ -3,9 +3,11 @@
 One job per MoE layer: every expert tensor of the layer in, the engine's post-processing
 parameters out (layouts.md), per (TP, EP) rank. Non-expert tensors keep their normal jobs.
 
-Tensor names live under a namespace no engine's stock loader knows, so a pre-shuffled checkpoint
-fails loudly in a server without qconvert's loader instead of loading kernel-layout bytes into
-checkpoint-layout parameters:
+Tensor names live under a namespace no engine's stock loader maps onto its parameters, so
+kernel-layout bytes never land in checkpoint-layout parameters. Stock vLLM 0.32 skips such names
+silently (leaving the experts uninitialized); qconvert's vLLM plugin guard
+(loaders/vllm_layout_loader.py, registered as a vllm.general_plugins entry point) turns that into
+an error naming the tensor:
 
     {prefix}.trtllm.{param}                   (tp = ep = 1)
     {prefix}.trtllm_tp{r}_ep{q}.{param}       (per rank)
