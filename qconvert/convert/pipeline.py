@@ -695,9 +695,10 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
 
     if len(ckpt.shards) > 1:
         weight_map, total = {}, 0
+        shard_of = ckpt.shard_of()  # a dict over every tensor: build it once, not per output
         for j in jobs:
             for o, s in zip(j.outputs, _source_for_outputs(j)):
-                weight_map[o.name] = ckpt.shards[ckpt.shard_of()[s]].path.name
+                weight_map[o.name] = ckpt.shards[shard_of[s]].path.name
                 total += _nbytes(o)
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
                                        "weight_map": dict(sorted(weight_map.items()))})
