@@ -38,7 +38,8 @@ from pathlib import Path
 
 from qconvert.errors import QConvertError
 from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable
-from qconvert.loaders.vllm_client import ReloadError, ReloadResult, _fan_out, _resolve_source
+from qconvert.loaders.staging import read_layout
+from qconvert.loaders.vllm_client import ReloadError, ReloadResult, _fan_out, _resolve_source, _resume_after
 
 log = logging.getLogger("qconvert.reload")
 
@@ -69,8 +70,10 @@ class SglangClient(ServerClient):
             raise QConvertError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         self.http.post("/pause_generation", {"mode": mode}, timeout=self.reload_timeout)
 
+    RESUME_ROUTE = "/continue_generation"
+
     def resume(self) -> None:
-        self.http.post("/continue_generation", {}, retries=max(self.http.retries, 5))
+        self.http.post(self.RESUME_ROUTE, {}, retries=max(self.http.retries, 5))
 
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True, weight_version: str | None = None,
                                  load_format: str | None = None) -> dict:
@@ -100,29 +103,6 @@ class SglangClient(ServerClient):
         if isinstance(out, list):
             out = out[0]
         return out["text"]
-
-
-def _resume_after(client: SglangClient, failure: BaseException | None) -> None:
-    try:
-        client.resume()
-    except QConvertError as err:
-        if failure is None:
-            raise ReloadError(f"{client.url}: reload done but continue_generation failed: {err}; "
-                              f"call POST {client.url}/continue_generation") from err
-        log.error("%s: continue_generation after a failed reload also failed: %s", client.url, err)
-        if isinstance(failure, QConvertError):
-            failure.args = (f"{failure}; continue_generation also failed ({err}): "
-                            f"call POST {client.url}/continue_generation",)
-
-
-def _is_preshuffled(path: str) -> bool:
-    meta = Path(path, "qconvert.json")
-    try:
-        info = json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return False
-    layout = info.get("layout") if isinstance(info, dict) else None
-    return bool(layout) and layout not in ("checkpoint", "hf", None)
 
 
 def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush: bool) -> ReloadResult:
@@ -173,7 +153,7 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for SGLang; use one of {', '.join(PAUSE_MODES)}")
     path, _ = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
-    if _is_preshuffled(path):
+    if read_layout(Path(path)) is not None:
         raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
                             "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
     version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"

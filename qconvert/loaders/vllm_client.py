@@ -153,8 +153,10 @@ class VllmClient(ServerClient):
             raise QConvertError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         self.http.post("/pause", params={"mode": mode}, timeout=self.reload_timeout)
 
+    RESUME_ROUTE = "/resume"
+
     def resume(self) -> None:
-        self.http.post("/resume", retries=max(self.http.retries, 5))
+        self.http.post(self.RESUME_ROUTE, retries=max(self.http.retries, 5))
 
     def reload_weights(self, path: str) -> None:
         """``reload_weights`` on every worker, checkpoint format. Raises ServerError with the server's text."""
@@ -388,16 +390,18 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
 
 
 def _resume_after(client, failure: BaseException | None) -> None:
-    """Resume a paused server; never let a resume failure hide the original error."""
+    """Resume a paused server (vLLM or SGLang: ``client.RESUME_ROUTE``); never let a resume
+    failure hide the original error."""
+    route = getattr(client, "RESUME_ROUTE", "/resume").lstrip("/")
     try:
         client.resume()
     except QConvertError as err:
         if failure is None:
-            raise ReloadError(f"{client.url}: reload done but resume failed: {err}; "
-                              f"call POST {client.url}/resume") from err
-        log.error("%s: resume after a failed reload also failed: %s", client.url, err)
+            raise ReloadError(f"{client.url}: reload done but {route} failed: {err}; "
+                              f"call POST {client.url}/{route}") from err
+        log.error("%s: %s after a failed reload also failed: %s", client.url, route, err)
         if isinstance(failure, QConvertError):
-            failure.args = (f"{failure}; resume also failed ({err}): call POST {client.url}/resume",)
+            failure.args = (f"{failure}; {route} also failed ({err}): call POST {client.url}/{route}",)
 
 
 def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
