@@ -204,20 +204,29 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
     return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers)
 
 
+def _keep_mixed_groups(groups: dict[str, list[TensorPlan]], reason, note) -> list[str]:
+    """A group whose members disagree is kept BF16 whole (engines give it one format); the first
+    kept member is the cause. ``reason(cause)`` / ``note(group_id, cause)`` word the result."""
+    notes = []
+    for gid, members in groups.items():
+        if len({m.action for m in members}) > 1:
+            why = next(m for m in members if m.action == KEEP)
+            for m in members:
+                if m.action == QUANTIZE:
+                    m.action, m.reason = KEEP, reason(why)
+            notes.append(note(gid, why))
+    return notes
+
+
 def _harmonize_groups(tensors: dict[str, TensorPlan], notes: list[str]):
     """Fused shards (q/k/v, gate/up) must share one format: engines fuse them into one layer."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in tensors.values():
         if t.group and t.kind != "expert":
             groups.setdefault(t.group, []).append(t)
-    for gid, members in groups.items():
-        acts = {m.action for m in members}
-        if len(acts) > 1:
-            why = next(m for m in members if m.action == KEEP)
-            for m in members:
-                if m.action == QUANTIZE:
-                    m.action, m.reason = KEEP, f"fused with {why.module} ({why.reason})"
-            notes.append(f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards")
+    notes += _keep_mixed_groups(
+        groups, lambda why: f"fused with {why.module} ({why.reason})",
+        lambda gid, why: f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards")
 
 
 def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
@@ -226,14 +235,9 @@ def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
     for t in tensors.values():
         if t.kind == "expert":
             per_layer.setdefault(t.module.split(".experts.")[0] + ".experts", []).append(t)
-    for prefix, members in per_layer.items():
-        acts = {m.action for m in members}
-        if len(acts) > 1:
-            why = next(m for m in members if m.action == KEEP)
-            for m in members:
-                if m.action == QUANTIZE:
-                    m.action, m.reason = KEEP, f"experts of this layer stay BF16 ({why.name}: {why.reason})"
-            notes.append(f"{prefix}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format")
+    notes += _keep_mixed_groups(
+        per_layer, lambda why: f"experts of this layer stay BF16 ({why.name}: {why.reason})",
+        lambda gid, why: f"{gid}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format")
 
 
 def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], options: PlanOptions,
