@@ -65,25 +65,13 @@ def mxfp8_out_tensors(module: str, shape: tuple[int, int], dialect: str) -> list
 def mxfp8_quant_config(exclusions: list[str], dialect: str) -> tuple[dict, dict[str, dict]]:
     """(config.json quantization_config, {extra json file name: content})."""
     excl = list(exclusions)
-    if dialect == "auto":
-        return {
-            "quant_method": "mxfp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [1, 32],
-            "ignored_layers": excl,
-            "modules_to_not_convert": list(excl),
-        }, {}
+    # SGLang's Fp8Config needs activation_scheme and reads weight_block_size / scale_fmt.
+    sglang_keys = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                   "weight_block_size": [1, 32]}
+    if dialect == "auto":  # vLLM reads only ignored_layers, SGLang prefers it: both keys, one list
+        return {**sglang_keys, "ignored_layers": excl, "modules_to_not_convert": list(excl)}, {}
     if dialect == "sglang":
-        return {
-            "quant_method": "mxfp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [1, 32],
-            "modules_to_not_convert": excl,
-        }, {}
+        return {**sglang_keys, "modules_to_not_convert": excl}, {}
     if dialect == "modelopt":
         return {
             "quant_method": "modelopt",
