@@ -370,20 +370,13 @@ class _HashingWriter:
         self.w = ShardWriter(path, specs)
         self._order = list(self.w.names)
         self._next = 0
-        self._hash = None
+        self._hash = hashlib.sha256(self.w.header_bytes)
         self._in_order = True
-        self._held: dict[str, torch.Tensor] = {}
 
     def write(self, name: str, t: torch.Tensor):
-        self.w.write(name, t)
+        buf = self.w.write(name, t)
         if self._in_order and self._order[self._next] == name:
-            if self._hash is None:
-                with open(self.w.path, "rb") as f:
-                    (n,) = __import__("struct").unpack("<Q", f.read(8))
-                    f.seek(0)
-                    self._hash = hashlib.sha256(f.read(8 + n))
-            from .safetensors_io import tensor_bytes
-            self._hash.update(tensor_bytes(t))
+            self._hash.update(buf)
             self._next += 1
         else:
             self._in_order = False
@@ -394,7 +387,7 @@ class _HashingWriter:
 
     def close(self, fsync: bool) -> str:
         self.w.close(fsync)
-        if self._in_order and self._hash is not None and self._next == len(self._order):
+        if self._in_order and self._next == len(self._order):
             return self._hash.hexdigest()
         h = hashlib.sha256()
         with open(self.w.path, "rb") as f:

@@ -251,7 +251,9 @@ class ShardWriter:
         self._pending = set(self._specs)
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            #: the file's first bytes (length prefix + JSON header), for callers that hash the file
+            self.header_bytes = struct.pack("<Q", len(raw)) + raw
+            os.pwrite(self._fd, self.header_bytes, 0)
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions") from None
 
@@ -259,7 +261,8 @@ class ShardWriter:
     def names(self):
         return list(self._specs)
 
-    def write(self, name: str, t: torch.Tensor):
+    def write(self, name: str, t: torch.Tensor) -> memoryview:
+        """Write ``t`` at its offset; returns the bytes written (for hashing without a second view)."""
         dtype, shape, off, nbytes = self._specs[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise AssertionError(f"internal: {name} planned {dtype}{list(shape)} got {t.dtype}{list(t.shape)}")
@@ -272,6 +275,7 @@ class ShardWriter:
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write tensor {name!r} ({e.strerror}); check free space") from None
         self._pending.discard(name)
+        return buf
 
     @property
     def complete(self) -> bool:
