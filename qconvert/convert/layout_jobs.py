@@ -51,7 +51,7 @@ def expert_layers(plan) -> dict[str, list]:
     return out
 
 
-def _meta_plain(scheme: str, e: int, i: int, h: int, input_scales: bool) -> dict[str, torch.Tensor]:
+def _placeholder_plain(scheme: str, e: int, i: int, h: int, input_scales: bool) -> dict[str, torch.Tensor]:
     def m(shape, dtype):
         return torch.zeros(shape, dtype=dtype)
     if scheme == "bf16":
@@ -77,7 +77,7 @@ def rank_specs(scheme, engine, e, i, h, tp, ep, input_scales) -> dict[tuple[int,
     """Output (param, dtype, shape) per rank, found by transforming placeholder tensors once per shape."""
     key = (scheme, engine, e, i, h, tp, ep, input_scales)
     if key not in _SPEC_CACHE:
-        ranks = trtllm.transform_moe_layer(_meta_plain(scheme, e, i, h, input_scales), scheme, engine, tp=tp, ep=ep)
+        ranks = trtllm.transform_moe_layer(_placeholder_plain(scheme, e, i, h, input_scales), scheme, engine, tp=tp, ep=ep)
         _SPEC_CACHE[key] = {rq: [(k, v.dtype, tuple(v.shape)) for k, v in params.items()] for rq, params in ranks.items()}
     return _SPEC_CACHE[key]
 

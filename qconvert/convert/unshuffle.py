@@ -60,9 +60,9 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 for e, t in r.iter_tensors():
                     tensors[e.name] = t
             ranks: dict[str, dict[tuple[int, int], dict[str, torch.Tensor]]] = {}
-            first_pos: dict[str, int] = {}
-            plain_out: list[tuple[str, torch.Tensor]] = []
-            for pos, (name, t) in enumerate(tensors.items()):
+            # (name, tensor), or (experts prefix, None) at the place of a layer's first layout tensor
+            plain_out: list[tuple[str, torch.Tensor | None]] = []
+            for name, t in tensors.items():
                 parts = name.split(".")
                 rq = None
                 for i, p in enumerate(parts):
@@ -73,17 +73,15 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 if rq is None:
                     plain_out.append((name, t))
                     continue
+                if prefix not in ranks:
+                    plain_out.append((prefix, None))
                 ranks.setdefault(prefix, {}).setdefault(rq, {})[param] = t
-                first_pos.setdefault(prefix, len(plain_out))
-                plain_out.append((f"\0{prefix}", None))
-            expanded: list[tuple[str, torch.Tensor]] = []
+            final: list[tuple[str, torch.Tensor]] = []
             for name, t in plain_out:
                 if t is not None:
-                    expanded.append((name, t))
+                    final.append((name, t))
                     continue
-                prefix = name[1:]
-                if any(n == name for n, _ in expanded):
-                    continue  # this layer was expanded at its first tensor
+                prefix = name
                 scheme = layer_scheme.get(prefix)
                 if scheme is None:
                     raise CheckpointError(f"{f}: layout tensors of {prefix} are not listed in the manifest")
@@ -102,10 +100,8 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                     rest = k[len(prefix) + 1:].split(".")
                     return (int(rest[0]), ["gate_proj", "up_proj", "down_proj"].index(rest[1]), rest[2])
                 for k in sorted(per_expert, key=key):
-                    expanded.append((k, per_expert[k].contiguous()))
-                expanded.append((name, None))  # marker: done
+                    final.append((k, per_expert[k].contiguous()))
                 n_layers += 1
-            final = [(n, t) for n, t in expanded if t is not None]
             w = ShardWriter(tmp / f.name, [(n, t.dtype, tuple(t.shape)) for n, t in final])
             for n, t in final:
                 w.write(n, t)
