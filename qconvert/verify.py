@@ -18,7 +18,6 @@ Checks, each reported with the file or tensor it concerns and the fix:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -31,7 +30,7 @@ import torch
 from .errors import QConvertError
 from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
-from .convert.safetensors_io import ShardReader
+from .convert.safetensors_io import ShardReader, sha256_file
 
 #: default --max-rel-err per format (relative Frobenius error of one tensor). RCEIL MXFP8 of
 #: Gaussian-like weights gives ~0.02-0.03 and NVFP4 ~0.09-0.11.
@@ -208,14 +207,6 @@ def compare(x: torch.Tensor, deq: torch.Tensor, fmt: str, scale_2=None) -> tuple
 
 
 # ---- the run ------------------------------------------------------------------------------------
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _expected(fmt: str, dialect: str, m: Module, n: int, k: int) -> dict[str, tuple[set, list | None]]:
     """suffix -> (allowed dtype tags, shape or None for 'scalar or [1]') of a quantized module."""
@@ -462,7 +453,7 @@ class _Verifier:
         for h in self.src.shards:
             if h.path.name in src_want:
                 n_src += 1
-                if _sha256(h.path) != src_want[h.path.name]:
+                if sha256_file(h.path) != src_want[h.path.name]:
                     self.fail("checksums", f"{h.path}: sha256 differs from the source recorded in {MANIFEST_NAME}; "
                                            "DST was converted from different weights — pass the right SRC")
         self.ok("checksums", f"ok ({len(out_sha)} output, {n_src} source shards)")

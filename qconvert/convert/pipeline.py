@@ -31,7 +31,7 @@ from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
-from .safetensors_io import ShardReader, ShardWriter
+from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
@@ -389,11 +389,7 @@ class _HashingWriter:
         self.w.close(fsync)
         if self._in_order and self._next == len(self._order):
             return self._hash.hexdigest()
-        h = hashlib.sha256()
-        with open(self.w.path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-        return h.hexdigest()
+        return sha256_file(self.w.path)
 
 
 def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",

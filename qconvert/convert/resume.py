@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import OutputError
+from .safetensors_io import sha256_file
 
 JOURNAL_NAME = ".qconvert-journal.json"
 LOCK_NAME = ".qconvert-lock"
@@ -86,14 +87,6 @@ def _diff(old, new, path="") -> str | None:
     if old != new:
         return f"{path.rstrip('.')}: {json.dumps(old)[:60]} before, {json.dumps(new)[:60]} now"
     return None
-
-
-def _sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Partial:
@@ -228,7 +221,7 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             for name, rec in sorted(recorded.items()):
                 p = d / name
                 ok = (isinstance(rec, dict) and name in inputs and "/" not in name and p.is_file()
-                      and p.stat().st_size == rec.get("size") and _sha256_file(p) == rec.get("sha256"))
+                      and p.stat().st_size == rec.get("size") and sha256_file(p) == rec.get("sha256"))
                 if ok:
                     outputs[name] = {"sha256": rec["sha256"], "size": rec["size"]}
                 else:

@@ -219,6 +219,15 @@ class ShardReader:
         return self._hash.hexdigest()
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 of a whole file, read in 16 MiB chunks (the checksums in manifests and journals)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:

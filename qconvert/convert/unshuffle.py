@@ -18,7 +18,7 @@ from ..errors import CheckpointError, OutputError
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
-from .safetensors_io import ShardReader, ShardWriter, read_header
+from .safetensors_io import ShardReader, ShardWriter, read_header, sha256_file
 
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
@@ -118,15 +118,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
         manifest = dict(manifest)
         manifest.pop("layout")
         manifest["unshuffled_from"] = str(src)
-        import hashlib
-        shas = {}
-        for f in sorted(tmp.glob("*.safetensors")):
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(chunk)
-            shas[f.name] = h.hexdigest()
-        manifest["outputs"] = {"sha256": shas}
+        manifest["outputs"] = {"sha256": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}}
         (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if dst.exists():
             shutil.rmtree(dst)

@@ -37,6 +37,7 @@ from typing import Iterable
 
 import torch
 
+from qconvert.convert.safetensors_io import sha256_file
 from qconvert.errors import QConvertError
 
 ALIGN = 256
@@ -447,7 +448,7 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
         _check_private(fp)
         if fp.stat().st_size != spec["size"]:
             raise StagingError(f"{fp}: size {fp.stat().st_size} != manifest {spec['size']} (truncated?); restage {name}")
-        if verify_data and _sha256_file(fp) != spec["sha256"]:
+        if verify_data and sha256_file(fp) != spec["sha256"]:
             raise StagingError(f"{fp}: checksum mismatch with the manifest (modified or corrupt); restage {name}")
     area = StagingArea(path, manifest)
     area.check_contract(expected_contract)
@@ -466,12 +467,6 @@ def _check_private(p: Path, is_dir: bool = False) -> None:
                            "another user may have changed it; drop and restage")
 
 
-def _sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def list_areas(root: Path | None = None) -> list[dict]:
