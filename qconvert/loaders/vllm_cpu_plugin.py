@@ -164,15 +164,9 @@ def _build_classes():
         ref_nvfp4_quant_dequant,
     )
 
-    class CpuModelOptMxFp8FusedMoE(mo.ModelOptMxFp8FusedMoE):
-        """ModelOpt MXFP8 MoE with plain-torch experts (weights dequantized once at load)."""
-
-        def __init__(self, quant_config, moe_config):
-            mo.FusedMoEMethodBase.__init__(self, moe_config)
-            self.weight_block_size = [1, mo.MXFP8_BLOCK_SIZE]
-            self.quant_config = quant_config
-            self.mxfp8_backend = None
-            self.experts_cls = None
+    class _PlainTorchExperts:
+        """What vLLM asks of an experts method that runs its own loop: not monolithic, no
+        kernel quant config, no special top-k index dtype. Listed first in the bases."""
 
         @property
         def is_monolithic(self) -> bool:
@@ -181,6 +175,19 @@ def _build_classes():
         @property
         def topk_indices_dtype(self):
             return None
+
+        def get_fused_moe_quant_config(self, layer):
+            return None
+
+    class CpuModelOptMxFp8FusedMoE(_PlainTorchExperts, mo.ModelOptMxFp8FusedMoE):
+        """ModelOpt MXFP8 MoE with plain-torch experts (weights dequantized once at load)."""
+
+        def __init__(self, quant_config, moe_config):
+            mo.FusedMoEMethodBase.__init__(self, moe_config)
+            self.weight_block_size = [1, mo.MXFP8_BLOCK_SIZE]
+            self.quant_config = quant_config
+            self.mxfp8_backend = None
+            self.experts_cls = None
 
         def process_weights_after_loading(self, layer) -> None:
             _check_moe_layer(layer)
@@ -194,9 +201,6 @@ def _build_classes():
                 layer.w2_weight.data, layer.w2_weight_scale.data
             ).to(dtype)
 
-        def get_fused_moe_quant_config(self, layer):
-            return None
-
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
             return torch_moe_experts(
                 x,
@@ -209,7 +213,7 @@ def _build_classes():
 
     # NB: the class names must contain "ModelOpt": vLLM's RoutedExperts.weight_loader picks the
     # ModelOpt scale-loading branch by ``"ModelOpt" in type(quant_method).__name__``.
-    class CpuModelOptNvFp4FusedMoE(mo.ModelOptNvFp4FusedMoE):
+    class CpuModelOptNvFp4FusedMoE(_PlainTorchExperts, mo.ModelOptNvFp4FusedMoE):
         """ModelOpt NVFP4 MoE with plain-torch experts.
 
         Weights: dequantized once at load, gate and up each with their own ``weight_scale_2``
@@ -228,14 +232,6 @@ def _build_classes():
             self.use_global_sf = False
             self.nvfp4_backend = None
             self.experts_cls = None
-
-        @property
-        def is_monolithic(self) -> bool:
-            return False
-
-        @property
-        def topk_indices_dtype(self):
-            return None
 
         def process_weights_after_loading(self, layer) -> None:
             _check_moe_layer(layer)
@@ -276,9 +272,6 @@ def _build_classes():
                 # encode-side global scales, as vLLM's linear emulation uses them
                 layer._qc_a13_gs = get_reciprocal(a13)
                 layer._qc_a2_gs = get_reciprocal(a2)
-
-        def get_fused_moe_quant_config(self, layer):
-            return None
 
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
             q13 = q2 = None
