@@ -4,9 +4,10 @@
 
 1. Ceiling: a large device-to-device copy, bytes read + written over time (CUDA events, median).
 2. Quantize one Qwen3-30B-A3B MoE layer (128 experts: W13 [128, 1536, 2048], W2 [128, 2048, 768],
-   1.2 GB BF16) with qconvert's MXFP8 and NVFP4 quantizers, eager and under ``torch.compile``
-   (the same pure tensor functions), as bytes read + written over time and as a fraction of the
-   copy bandwidth; compiled outputs are checked bit-identical to eager.
+   1.2 GB BF16) with qconvert's MXFP8 and NVFP4 quantizers: the one-pass Triton kernels (the
+   pipeline's CUDA default), the eager torch chains and their ``torch.compile``, as bytes read +
+   written over time and as a fraction of the copy bandwidth; every output is checked
+   bit-identical to eager, and exhaustively (every BF16 pattern) against eager and the CPU.
 3. Whole conversion of a synthetic checkpoint (scripts/make_synthetic.py) with ``--device cuda``
    and on CPU, against the I/O floor process of scripts/bench_convert.py, as ratios.
 
@@ -47,7 +48,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def cuda_ms(fn, reps=10, warm=2):
+def cuda_ms(fn, reps=10, warm=2, windows=5):
+    """Median over ``windows`` of the mean time of ``reps`` back-to-back calls (CUDA events).
+
+    Calls are queued back to back, as the pipeline queues work, so the host's launch cost of one
+    call overlaps the device work of the previous one; a window per call would count the idle
+    device during each launch (about 0.1 ms per NVFP4 call: 20% of a layer)."""
     for _ in range(warm):
         fn()
     if DEV != "cuda":
@@ -56,13 +62,14 @@ def cuda_ms(fn, reps=10, warm=2):
         return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     ts = []
-    for _ in range(reps):
+    for _ in range(windows):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / reps)
     return statistics.median(ts)
 
 
@@ -83,9 +90,9 @@ def _same(o1, o2):
 
 
 def quantize_step(results, copy_bw):
-    """Quantize step as the pipeline runs it on CUDA: the compiled block cores (dynamic block count,
-    Inductor with IEEE division) vs eager; plus plain torch.compile (default Inductor division) to
-    show why compiled NVFP4 differed from eager before."""
+    """Quantize step on CUDA: the one-pass Triton kernels (the pipeline's default), the eager torch
+    chains, their torch.compile (static shapes, Inductor with IEEE division), and plain
+    torch.compile (default Inductor division: shows why it cannot be used)."""
     from qconvert.convert.numerics import nvfp4 as nv
     from qconvert.convert.numerics.mxfp8 import compiled_mxfp8_blocks
 
@@ -99,20 +106,34 @@ def quantize_step(results, copy_bw):
     mx_c, nv_c = compiled_mxfp8_blocks(), nv.compiled_nvfp4_blocks()
     nv_plain = torch.compile(nv.nvfp4_quantize_blocks, dynamic=False)
     mx_b, nv_b = 2 * n + n + n // 32, 2 * n + n // 2 + n // 16
+    from qconvert.convert.numerics import cuda_kernels as ck
+    tk = ck.available(DEV)
+
+    def nv_with_amax(x, recipe):  # the pipeline's whole NVFP4 step: global amax pass, then the kernel
+        from qconvert.convert.pipeline import _abs_max
+        return nv.nvfp4_quantize(x, global_amax=_abs_max(x).float(), recipe=recipe, blocks_fn=ck.nvfp4_blocks)
+
+    comp = "compile (QCONVERT_CUDA_QUANTIZER=compile)"
+    trit = "triton (pipeline default)"
     variants = [  # scheme, mode, fn, bytes
         ("mxfp8", "eager", lambda x: mxfp8_quantize(x), mx_b),
-        ("mxfp8", "compile (pipeline)", (lambda x: mxfp8_quantize(x, blocks_fn=mx_c)) if mx_c else None, mx_b),
+        ("mxfp8", trit, (lambda x: mxfp8_quantize(x, blocks_fn=ck.mxfp8_blocks)) if tk else None, mx_b),
+        ("mxfp8", comp, (lambda x: mxfp8_quantize(x, blocks_fn=mx_c)) if mx_c else None, mx_b),
         ("nvfp4 te", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga), nv_b),
-        ("nvfp4 te", "compile (pipeline)", (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_c)) if nv_c else None, nv_b),
+        ("nvfp4 te", trit, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=ck.nvfp4_blocks)) if tk else None, nv_b),
+        ("nvfp4 te", "triton + its global amax pass (input bytes counted once)",
+         (lambda x: nv_with_amax(x, "te")) if tk else None, nv_b),
+        ("nvfp4 te", comp, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_c)) if nv_c else None, nv_b),
         ("nvfp4 te", "compile, default Inductor division", lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_plain), nv_b),
         ("nvfp4 modelopt", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt"), nv_b),
-        ("nvfp4 modelopt", "compile (pipeline)", (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=nv_c)) if nv_c else None, nv_b),
+        ("nvfp4 modelopt", trit, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=ck.nvfp4_blocks)) if tk else None, nv_b),
+        ("nvfp4 modelopt", comp, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=nv_c)) if nv_c else None, nv_b),
     ]
     rows = []
     eager = {}
     for scheme, mode, fn, nbytes in variants:
         if fn is None:
-            rows.append({"scheme": scheme, "mode": mode, "error": "no Inductor switch for IEEE division in this torch"})
+            rows.append({"scheme": scheme, "mode": mode, "error": "not available here (Triton, or Inductor's IEEE division switch)"})
             continue
         t0 = time.time()
         try:
@@ -125,7 +146,8 @@ def quantize_step(results, copy_bw):
         first_s = time.time() - t0
         if mode == "eager":
             eager[scheme] = outs
-        same = all(_same(o1, o2) for o1, o2 in zip(eager[scheme], outs))
+        # the global-amax row quantizes with the tensor's own amax, not eager's fixed one
+        same = None if "amax" in mode else all(_same(o1, o2) for o1, o2 in zip(eager[scheme], outs))
         ms = cuda_ms(lambda: (fn(w13), fn(w2)))
         bw = nbytes / (ms / 1e3)
         rows.append({"scheme": scheme, "mode": mode, "ms_per_layer": round(ms, 3), "x48_s": round(ms * 48 / 1e3, 3),
@@ -146,7 +168,9 @@ def quantize_step(results, copy_bw):
     # arithmetic returns a canonical NaN where x86 keeps the operand's sign, so CUDA-vs-CPU is
     # counted separately for inputs with and without NaN/Inf.
     checks = {"cases": 0, "compiled_vs_eager_mismatch": 0, "cuda_vs_cpu_mismatch_finite_input": 0,
-              "cuda_vs_cpu_mismatch_nan_inf_input": 0, "first": []}
+              "cuda_vs_cpu_mismatch_nan_inf_input": 0, "triton_vs_eager_mismatch_finite_input": 0,
+              "triton_vs_eager_mismatch_nan_inf_input": 0, "triton_vs_cpu_mismatch_finite_input": 0,
+              "triton_vs_cpu_mismatch_nan_inf_input": 0, "first": []}
     for x in cpu_inputs:
         finite = x.clone()
         finite[~torch.isfinite(finite)] = 0
@@ -160,13 +184,22 @@ def quantize_step(results, copy_bw):
                     cpu = mxfp8_quantize(src)
                     eg = mxfp8_quantize(xc)
                     cp = mxfp8_quantize(xc, blocks_fn=mx_c) if mx_c is not None else eg
+                    tr = mxfp8_quantize(xc, blocks_fn=ck.mxfp8_blocks) if tk else eg
                 else:
                     cpu = nv.nvfp4_quantize(src, global_amax=gsc, recipe=recipe)
                     eg = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe)
                     cp = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=nv_c) if nv_c is not None else eg
+                    tr = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=ck.nvfp4_blocks) if tk else eg
                 if not _same(eg, cp):
                     checks["compiled_vs_eager_mismatch"] += 1
                     checks["first"].append(f"compiled {recipe} {gsc} {kind}")
+                if not _same(eg, tr):
+                    checks[f"triton_vs_eager_mismatch_{kind}"] += 1
+                    checks["first"].append(f"triton-vs-eager {recipe} {gsc} {kind}")
+                if not _same([t.cpu() for t in tr], cpu):
+                    checks[f"triton_vs_cpu_mismatch_{kind}"] += 1
+                    if kind == "finite_input":
+                        checks["first"].append(f"triton-vs-cpu {recipe} {gsc} {kind}")
                 if not _same([t.cpu() for t in eg], cpu):
                     checks[f"cuda_vs_cpu_mismatch_{kind}"] += 1
                     if kind == "finite_input":
@@ -197,10 +230,12 @@ def conversion(results, a, save):
     sizes_in = bc._shard_sizes(src)
     rows = []
     results["conversion"] = rows
-    # cuda twice (the first pays torch.compile, later processes hit Inductor's on-disk caches),
-    # cuda eager (QCONVERT_COMPILE=0), then cpu; a floor process right after each.
-    runs = [(DEV, "compile, first", {"QCONVERT_COMPILE": "1"}), (DEV, "compile", {"QCONVERT_COMPILE": "1"}),
-            (DEV, "eager", {"QCONVERT_COMPILE": "0"})]
+    # cuda with each quantizer core (QCONVERT_CUDA_QUANTIZER; "compile" only with --compile-too: it
+    # pays a compile per tensor shape), then cpu; a floor process right after each.
+    runs = [(DEV, "triton (default)", {"QCONVERT_CUDA_QUANTIZER": "triton"}),
+            (DEV, "eager", {"QCONVERT_CUDA_QUANTIZER": "eager"})]
+    if a.compile_too:
+        runs.append((DEV, "compile", {"QCONVERT_CUDA_QUANTIZER": "compile"}))
     if a.cpu_too:
         runs.append(("cpu", "eager", {}))
     for scheme in a.schemes.split(","):
@@ -241,7 +276,7 @@ def table(res) -> str:
             L.append(f"| {r['scheme']} | {r['mode']} | - | - | - | - | >= 0.70 | {r['error']} |")
         else:
             L.append(f"| {r['scheme']} | {r['mode']} | {r['ms_per_layer']:.2f} | {r['x48_s']:.2f} s | {r['GBps']:.0f} | "
-                     f"{r['fraction_of_copy']:.3f} | >= 0.70 | {r['bit_identical_to_eager']} |")
+                     f"{r['fraction_of_copy']:.3f} | >= 0.70 | {'n/a' if r['bit_identical_to_eager'] is None else r['bit_identical_to_eager']} |")
     if res.get("exhaustive"):
         L += ["", f"Exhaustive check (every BF16 pattern x global scales, both NVFP4 recipes and MXFP8): {res['exhaustive']}"]
     if res.get("conversion"):
@@ -263,6 +298,7 @@ def main():
     ap.add_argument("--shard-gb", type=float, default=2.0)
     ap.add_argument("--schemes", default="mxfp8,nvfp4")
     ap.add_argument("--cpu-too", action="store_true", help="also convert on this machine's CPUs")
+    ap.add_argument("--compile-too", action="store_true", help="also convert with the torch.compile cores")
     ap.add_argument("--skip-conversion", action="store_true")
     ap.add_argument("--skip-quantize", action="store_true")
     a = ap.parse_args()

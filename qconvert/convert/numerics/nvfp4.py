@@ -169,26 +169,39 @@ def nvfp4_scale_2(global_amax: torch.Tensor) -> torch.Tensor:
     return global_amax.float().reshape(()) / _f32(NVFP4_GLOBAL_DIV, global_amax.device)
 
 
-def _block_scales_te(blk_amax: torch.Tensor, g: torch.Tensor):
-    """E4M3 block scales and fp32 element multipliers in TE's operation order."""
-    dev = blk_amax.device
-    flt_max = _f32(_FLT_MAX, dev)
-    s_enc = torch.minimum(_f32(NVFP4_GLOBAL_DIV, dev) / g, flt_max)
+def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's per-tensor factors from the global amax ``g``: ``(S_enc * fl32(1/6), S_dec)``, fp32
+    0-dim on ``g``'s device. The per-block part multiplies the block amax by the first."""
+    dev = g.device
+    s_enc = torch.minimum(_f32(NVFP4_GLOBAL_DIV, dev) / g, _f32(_FLT_MAX, dev))
     # g == 0 gives inf -> FLT_MAX above; g == inf gives 0. TE falls back to 1 for both.
     s_enc = torch.where((g == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
     s_dec = _f32(1.0, dev) / s_enc
     # fl32(1/6) times S_enc first, as TE folds it (core_nvfp4.cuh), then the block amax.
-    s = blk_amax * (s_enc * _f32(1.0 / E2M1_MAX, dev))
+    return s_enc * _f32(1.0 / E2M1_MAX, dev), s_dec
+
+
+def _block_scales_te(blk_amax: torch.Tensor, g: torch.Tensor):
+    """E4M3 block scales and fp32 element multipliers in TE's operation order."""
+    dev = blk_amax.device
+    flt_max = _f32(_FLT_MAX, dev)
+    s_enc6, s_dec = te_tensor_scalars(g)
+    s = blk_amax * s_enc6
     # CUDA's E4M3 conversion saturates; PyTorch's CUDA cast does not (formats.md §3.4).
     scale = torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
     inv = torch.minimum(_f32(1.0, dev) / (scale.float() * s_dec), flt_max)
     return scale, inv
 
 
+def modelopt_tensor_divisor(scale_2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's per-tensor divisor of the block amax, ``6 * scale_2`` (fp32 0-dim)."""
+    return _f32(E2M1_MAX, scale_2.device) * scale_2
+
+
 def _block_scales_modelopt(blk_amax: torch.Tensor, g: torch.Tensor, scale_2: torch.Tensor):
     """E4M3 block scales and fp32 element divisors in ModelOpt's operation order."""
     dev = blk_amax.device
-    s = blk_amax / (_f32(E2M1_MAX, dev) * scale_2)
+    s = blk_amax / modelopt_tensor_divisor(scale_2)
     # ModelOpt maps zero scales to 1.0. For g == 0 the quotient is 0/0 = NaN there; treat it
     # as a zero block too (declared deviation, see the module docstring).
     s = torch.where((s == 0) | (g == 0), _f32(1.0, dev), s)

@@ -1,0 +1,210 @@
+"""One-pass CUDA kernels (Triton) for the MXFP8 and NVFP4 block quantizers.
+
+The torch op chains in ``mxfp8.py`` / ``nvfp4.py`` define the bytes; on CUDA they run as ~20
+separate elementwise kernels, each streaming the tensor through device memory, and
+``torch.compile`` of them costs a compile per tensor shape. These kernels read each input
+element once and write each output byte once, for any shape, and give the same bytes as the
+torch chains (checked on every BF16 bit pattern on an H200: ``tests/test_cuda_kernels.py``,
+``scripts/bench_gpu.py``). They are written independently of the torch chains (E2M1 as the
+least of three fp32-rounded candidates instead of mantissa-bit arithmetic), so the check is not
+a copy checked against itself.
+
+Exactness needs IEEE fp32 division (``div_rn``; Triton's ``/`` is approximate), no
+flush-to-zero of fp32 subnormals and no multiply-add contraction: the launch options below.
+NVFP4's per-tensor scalars (from the global amax, read from device memory: no host round trip)
+are computed in the kernel in the torch code's operation order; as tiny torch kernels they cost
+10-20% of a layer's time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs have no use for it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: Quantization blocks and warps per Triton program (from a sweep on an H200, 2026-12-02).
+MXFP8_PROGRAM_BLOCKS = 128
+MXFP8_WARPS = 4
+NVFP4_PROGRAM_BLOCKS = 128
+NVFP4_WARPS = 2
+
+
+def available(device) -> bool:
+    """True where these kernels can run: a CUDA device and an importable Triton."""
+    return triton is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_options() -> dict:
+    """Triton compile options for IEEE fp32 arithmetic, under the names this Triton knows."""
+    opts = {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        fields = set(CUDAOptions.__dataclass_fields__)
+    except Exception:  # noqa: BLE001 - an older layout: fall back to the long-standing option
+        fields = {"enable_fp_fusion"}
+    if "enable_fp_fusion" in fields:
+        opts["enable_fp_fusion"] = False
+    if "enable_reflect_ftz" in fields:  # libdevice's div_rn would otherwise flush subnormals
+        opts["enable_reflect_ftz"] = False
+    return opts
+
+
+if triton is not None:
+    FLT_MAX = tl.constexpr(3.4028234663852886e38)
+    ONE_SIXTH = tl.constexpr(1.0 / 6.0)  # rounded to fp32 where used, as nvfp4.py's fl32(1/6)
+
+    @triton.jit
+    def _abs_bits_max(xf):
+        """max|x| over the last axis of fp32 ``xf`` from the bit patterns: non-negative floats order
+        like their bits and a NaN's exceed inf's, so a NaN anywhere in the block gives NaN."""
+        bits = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _clamp_nan(v, lo, hi):
+        v = tl.maximum(v, lo, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(v, hi, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _mxfp8_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        cols = tl.arange(0, 32)
+        offs = rows[:, None] * 32 + cols[None, :]
+        mask = rows[:, None] < n_blocks
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        t = tl.math.div_rn(_abs_bits_max(x), 448.0)
+        # E8M0 byte = ceil(log2(t)) + 127: the exponent field of t's bits plus a carry from any
+        # nonzero mantissa (unsigned, so a NaN's bits wrap harmlessly before being replaced).
+        u = t.to(tl.uint32, bitcast=True)
+        byte = (((u + 0x7FFFFF) >> 23) & 0xFF).to(tl.int32)
+        byte = tl.where(t != t, 255, byte)
+        byte = tl.maximum(byte, 1)
+        # 2^-E: biased exponent 254 - byte (0, i.e. multiplier 0.0, for the NaN byte 255)
+        mult = ((254 - tl.minimum(byte, 254)) << 23).to(tl.float32, bitcast=True)
+        y = _clamp_nan(x * mult[:, None], -448.0, 448.0)
+        tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + rows, byte.to(tl.uint8), mask=rows < n_blocks)
+
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _e2m1_magnitude(v):
+        """E2M1 magnitude code (0..7) of fp32 ``v``: round |v| to nearest even, saturate at 6,
+        NaN -> 7.
+
+        E2M1's grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 up, so the code is
+        rint(2a) below 2, rint(a) + 2 in [2, 4) and rint(a / 2) + 4 above. Each candidate is
+        rounded by one fp32 add into [2^23, 2^24), where the fp32 spacing is 1 and rounding is
+        RNE (E2M1's ties go to the even mantissa as they do to the even integer); in each binade
+        the right candidate is the smallest of the three (the coarser grids give codes at least
+        as large there), and 7 caps it. ``min.f32`` returns its non-NaN operand, so NaN and inf
+        give 7. The code is in the low 3 bits of the result. All fp32 work but the three minima:
+        on this hardware the integer/logic pipe has half the fp32 pipe's lanes.
+        """
+        a = tl.abs(v)
+        t0 = tl.fma(a, 2.0, 8388608.0)  # 2^23 + rint(2a): one rounding of the exact 2a + 2^23
+        t1 = a + 8388610.0  # 2^23 + 2 + rint(a)
+        t2 = tl.fma(a, 0.5, 8388612.0)  # 2^23 + 4 + rint(a / 2)
+        m = tl.minimum(tl.minimum(t0, t1), tl.minimum(t2, 8388615.0))
+        return m.to(tl.int32, bitcast=True) & 7
+
+    @triton.jit
+    def _nvfp4_kernel(x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, TE: tl.constexpr,
+                      BF16_WORDS: tl.constexpr, BLOCKS: tl.constexpr):
+        """Blocks of 16 with the global amax at ``g_ptr``; program 0 also writes ``scale_2``.
+
+        ``BF16_WORDS``: ``x_ptr`` is BF16 data read as int32 words, two elements each (element 2j
+        in the low half): fp32 values by a shift and a mask, with full-width loads. Otherwise
+        ``x_ptr`` is any float type, read as even and odd elements.
+        """
+        rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        pairs = tl.arange(0, 8)
+        mask = rows[:, None] < n_blocks
+        if BF16_WORDS:
+            w = tl.load(x_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0)
+            xe = (w << 16).to(tl.float32, bitcast=True)
+            xo = (w & -65536).to(tl.float32, bitcast=True)  # & 0xFFFF0000
+        else:
+            base = rows[:, None] * 16 + 2 * pairs[None, :]
+            xe = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.reduce(_max_nan(tl.abs(xe), tl.abs(xo)), 1, _max_nan)  # a NaN anywhere gives NaN
+        # Per-tensor scalars, computed per program in nvfp4.py's operation order: a handful of
+        # instructions, where a dozen tiny torch kernels per tensor cost 10-20% of the time.
+        g = tl.load(g_ptr)
+        scale_2 = tl.math.div_rn(g, 2688.0)
+        if TE:
+            s_enc = tl.minimum(tl.math.div_rn(2688.0, g), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+            s_enc = tl.where((g == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+            s_dec = tl.math.div_rn(1.0, s_enc)
+            # TE clamps S_enc at FLT_MAX: the decode scale is then 1 / S_enc
+            scale_2 = tl.where((g > 0.0) & (tl.math.div_rn(2688.0, g) > FLT_MAX), tl.math.div_rn(1.0, FLT_MAX), scale_2)
+            sc = tl.minimum(amax * (s_enc * ONE_SIXTH), 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+            inv = tl.minimum(tl.math.div_rn(1.0, sc.to(tl.float32) * s_dec), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+            ve = xe * inv[:, None]
+            vo = xo * inv[:, None]
+            # v = x * inv with inv > 0: the sign bit of v is x's (-0.0 gives 8), except where inv
+            # is NaN (a NaN in the block), where the sign is not specified anyway
+            if BF16_WORDS:  # element 2j's sign is bit 15 of the word, element 2j + 1's bit 31
+                sign = ((w >> 12) & 8) | ((w >> 24) & 0x80)
+            else:
+                sign = ((xe.to(tl.int32, bitcast=True) >> 28) & 8) | ((xo.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        else:
+            g_zero = g == 0.0
+            s = tl.math.div_rn(amax, 6.0 * scale_2)
+            s = tl.where((s == 0.0) | g_zero, 1.0, s)
+            sc = _clamp_nan(s, 0.001953125, 448.0).to(tl.float8e4nv)  # [2^-9, 448]
+            div = tl.where(g_zero, 1.0, sc.to(tl.float32) * scale_2)
+            ve = tl.math.div_rn(xe, div[:, None])
+            vo = tl.math.div_rn(xo, div[:, None])
+            sign = tl.where(ve < 0.0, 8, 0) | tl.where(vo < 0.0, 0x80, 0)  # ModelOpt: v < 0
+        byte = _e2m1_magnitude(ve) | (_e2m1_magnitude(vo) << 4) | sign  # element 2j in the low nibble
+        tl.store(packed_ptr + rows[:, None] * 8 + pairs[None, :], byte.to(tl.uint8), mask=mask)
+        tl.store(scale_ptr + rows, sc, mask=rows < n_blocks)
+        if tl.program_id(0) == 0:
+            tl.store(scale_2_ptr, scale_2)
+
+
+def _grid(n_blocks: int, per_program: int):
+    return (triton.cdiv(n_blocks, per_program),)
+
+
+def mxfp8_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`mxfp8.mxfp8_quantize_blocks`: ``xb [n, 32]`` on CUDA ->
+    (e4m3 [n, 32], uint8 [n])."""
+    xb = xb.contiguous()
+    n = xb.shape[0]
+    q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn, device=xb.device)
+    s = torch.empty(n, dtype=torch.uint8, device=xb.device)
+    if n:
+        _mxfp8_kernel[_grid(n, MXFP8_PROGRAM_BLOCKS)](xb, q, s, n, BLOCKS=MXFP8_PROGRAM_BLOCKS,
+                                                       num_warps=MXFP8_WARPS, **_launch_options())
+    return q, s
+
+
+def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
+    """Same contract as :func:`nvfp4.nvfp4_quantize_blocks`: ``xb [n, 16]`` on CUDA and the global
+    amax ``g`` (fp32 0-dim) -> (packed uint8 [n, 8], block scale e4m3 [n], scale_2 fp32 0-dim).
+    One kernel launch, no other device work."""
+    xb = xb.contiguous()
+    n = xb.shape[0]
+    g = g.detach().to(device=xb.device, dtype=torch.float32).reshape(1)
+    packed = torch.empty(n, 8, dtype=torch.uint8, device=xb.device)
+    scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
+    scale_2 = torch.empty(1, dtype=torch.float32, device=xb.device)
+    words = xb.dtype == torch.bfloat16
+    _nvfp4_kernel[_grid(max(n, 1), NVFP4_PROGRAM_BLOCKS)](xb.view(torch.int32) if words else xb, packed, scale, g,
+                                                          scale_2, n, TE=recipe == "te", BF16_WORDS=words,
+                                                          BLOCKS=NVFP4_PROGRAM_BLOCKS, num_warps=NVFP4_WARPS,
+                                                          **_launch_options())
+    return packed, scale, scale_2.reshape(())

@@ -1,0 +1,143 @@
+"""The one-pass CUDA kernels (numerics/cuda_kernels.py) give the bytes of the torch op chains,
+which the other numerics tests hold to vLLM, torchao, ModelOpt and CUDA's own conversions.
+
+Needs a CUDA GPU and Triton (run on the H200; skipped in CPU-only CI). Inputs: every BF16 bit
+pattern, sorted (neighbouring magnitudes share a block) and shuffled, at global scales across
+the whole fp32 range; adversarial blocks (ties of every rounding step, block maxima at
+1.75 * 2^e, +-448 and +-6 edges, zeros, -0.0, subnormals); fp16/fp32 inputs; shapes that do not
+fill a Triton program. Expected values are the torch chains run on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qconvert.convert.numerics import cuda_kernels, mxfp8_quantize, nvfp4_quantize
+from qconvert.convert.numerics.nvfp4 import _global_amax
+
+pytestmark = pytest.mark.skipif(not cuda_kernels.available("cuda"), reason="needs a CUDA GPU and Triton")
+
+
+def _all_bf16(nan: bool) -> torch.Tensor:
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    if not nan:
+        x = x[torch.isfinite(x)]
+    return x
+
+
+def _cases():
+    """(name, bf16/fp16/fp32 tensor [rows, 64]) inputs."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for nan in (False, True):
+        x = _all_bf16(nan)
+        srt = x[x.float().abs().argsort()]
+        shuf = x[torch.randperm(x.numel(), generator=g)]
+        for name, t in (("sorted", srt), ("shuffled", shuf)):
+            n = t.numel() // 64 * 64
+            out.append((f"all-bf16-{name}{'-nan' if nan else ''}", t[:n].reshape(-1, 64)))
+    # adversarial: each row of 64 = 4 NVFP4 blocks = 2 MXFP8 blocks
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0])
+    rows = []
+    for e in range(-140, 119, 3):
+        m = 2.0 ** e
+        rows.append(torch.cat([ties * m, ties * (m * 1.75), ties.flip(0) * m, ties * m / 6]))
+        rows.append(torch.cat([torch.full((16,), 1.75 * m), torch.full((16,), -448.0 * m), torch.zeros(16),
+                               torch.full((16,), 448.0 * m)]))
+    adv = torch.stack(rows)
+    adv[0, :8] = -0.0
+    out.append(("adversarial-bf16", adv.bfloat16()))
+    out.append(("adversarial-fp32", adv))
+    out.append(("zeros", torch.zeros(4, 64).bfloat16()))
+    out.append(("random-fp16", (torch.randn(257, 64, generator=g) * 30).half()))
+    out.append(("random-fp32-wide", torch.randn(129, 64, generator=g) * torch.logspace(-30, 30, 129).unsqueeze(1)))
+    return out
+
+
+CASES = _cases()
+IDS = [c[0] for c in CASES]
+
+
+def _finite_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mask of the blocks whose inputs are all finite. Elsewhere NaNs arise (an input NaN, or
+    MXFP8's inf * 0 for a block holding inf) whose sign is not specified: CUDA's arithmetic
+    returns its canonical NaN, x86 keeps or sets the sign."""
+    return torch.isfinite(x.float()).reshape(-1, block).all(dim=1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_mxfp8_kernel_equals_torch_chain(case):
+    _, x = case
+    q_ref, s_ref = mxfp8_quantize(x)
+    q, s = cuda_kernels.mxfp8_blocks(x.cuda().reshape(-1, 32))
+    keep = _finite_rows(x, 32)
+    assert torch.equal(s.cpu(), s_ref.reshape(-1))  # scale bytes: 255 for non-finite blocks on both
+    qb, qr = q.cpu().view(torch.uint8), q_ref.reshape(-1, 32).view(torch.uint8)
+    assert int((qb[keep] != qr[keep]).sum()) == 0
+
+
+@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_nvfp4_kernel_equals_torch_chain(case, recipe):
+    name, x = case
+    keep = _finite_rows(x, 16)
+    finite = x[torch.isfinite(x)].float().abs()
+    gmax = float(finite.max()) if finite.numel() else 0.0
+    # global amaxes: the tensor's own, 0 (all-zero convention), tiny (TE's FLT_MAX clamp), huge
+    for g in (None, gmax * 4, 1e-38, 3e38):
+        gt = None if g is None else torch.tensor(g)
+        if name.endswith("-nan") and g is None:
+            continue  # a NaN global amax: every block NaN, nothing to compare
+        p_ref, s_ref, s2_ref = nvfp4_quantize(x, global_amax=gt, recipe=recipe)
+        xc = x.cuda()
+        gc = _global_amax(xc, None if gt is None else gt.cuda())
+        p, s, s2 = cuda_kernels.nvfp4_blocks(xc.reshape(-1, 16), gc, recipe)
+        assert torch.equal(s2.cpu().view(torch.int32), s2_ref.view(torch.int32)), (name, g)
+        sb, sr = s.cpu().view(torch.uint8), s_ref.reshape(-1).view(torch.uint8)
+        assert int((sb[keep] != sr[keep]).sum()) == 0, (name, g)
+        pb, pr = p.cpu(), p_ref.reshape(-1, 8)
+        assert int((pb[keep] != pr[keep]).sum()) == 0, (name, g)
+        assert torch.equal(pb & 0x77, pr & 0x77), (name, g)  # magnitudes everywhere: NaN -> 7
+
+
+@pytest.mark.parametrize("blocks", [1, 255, 256, 257, 4099])
+def test_partial_programs_and_3d(blocks):
+    g = torch.Generator().manual_seed(blocks)
+    x = (torch.randn(blocks, 32, generator=g) * 0.02).bfloat16().reshape(-1, 2, 16)
+    q_ref, s_ref = mxfp8_quantize(x.reshape(blocks, 32))
+    q, s = mxfp8_quantize(x.cuda().reshape(blocks, 32), blocks_fn=cuda_kernels.mxfp8_blocks)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s.cpu(), s_ref)
+    p_ref, sc_ref, _ = nvfp4_quantize(x)
+    p, sc, _ = nvfp4_quantize(x.cuda(), blocks_fn=cuda_kernels.nvfp4_blocks)
+    assert p.shape == p_ref.shape and sc.shape == sc_ref.shape
+    assert torch.equal(p.cpu(), p_ref) and torch.equal(sc.cpu().view(torch.uint8), sc_ref.view(torch.uint8))
+
+
+def test_empty():
+    q, s = cuda_kernels.mxfp8_blocks(torch.empty(0, 32, dtype=torch.bfloat16, device="cuda"))
+    assert q.shape == (0, 32) and s.shape == (0,)
+    p, sc, s2 = cuda_kernels.nvfp4_blocks(torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"),
+                                          torch.tensor(0.0, device="cuda"))
+    assert p.shape == (0, 8) and sc.shape == (0,) and float(s2) == 0.0
+
+
+def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
+    """Whole conversions of the demo model: --device cuda with the kernels == CPU, byte for byte."""
+    from qconvert.convert.demo import build_demo_model
+    from qconvert.convert.pipeline import ConvertOptions, convert
+    from qconvert.convert.plan import PlanOptions
+
+    src = tmp_path / "demo"
+    build_demo_model(src)
+    monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "triton")
+    for scheme in ("mxfp8", "nvfp4"):
+        digests = []
+        for device in ("cpu", "cuda"):
+            dst = tmp_path / f"{scheme}-{device}"
+            opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, progress=False)
+            convert(str(src), str(dst), scheme, opts)
+            import json
+            digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
+        assert digests[0] == digests[1], scheme
