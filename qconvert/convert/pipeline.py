@@ -11,7 +11,7 @@ source's proportions and a tensor's bytes are found where a reader of the source
 
 from __future__ import annotations
 
-import hashlib
+import gc
 import json
 import os
 import queue
@@ -31,7 +31,7 @@ from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
-from .safetensors_io import ShardReader, ShardWriter, sha256_file
+from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, sha256_file
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
@@ -127,12 +127,37 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
+#: CUDA quantizer cores: "triton" (one-pass kernels, the default where Triton imports), "eager"
+#: (the torch op chains) or "compile" (torch.compile of the chains). All give the same bytes.
+CUDA_QUANTIZERS = ("triton", "eager", "compile")
+
+
+def cuda_quantizer(device: str) -> str:
+    """Which CUDA core the pipeline uses, from QCONVERT_CUDA_QUANTIZER (QCONVERT_COMPILE=1 is the
+    older spelling of "compile"). Compiling is opt-in: it compiles once per tensor shape, which
+    cost a whole conversion 3.6-5x the I/O floor on an H200 (BENCHMARKS.md)."""
+    choice = os.environ.get("QCONVERT_CUDA_QUANTIZER", "")
+    if not choice:
+        choice = "compile" if os.environ.get("QCONVERT_COMPILE", "0") == "1" else "triton"
+    if choice not in CUDA_QUANTIZERS:
+        raise ValueError(f"QCONVERT_CUDA_QUANTIZER={choice!r}: expected one of {', '.join(CUDA_QUANTIZERS)}")
+    if choice == "triton":
+        from .numerics import cuda_kernels
+        if not cuda_kernels.available(device):
+            choice = "eager"
+    return choice
+
+
 def _blocks_fn(scheme: str, device: str):
-    """Compiled quantizer core on CUDA with QCONVERT_COMPILE=1 (bit-identical to eager:
-    nvfp4.inductor_exact_options), else None (eager). Off by default: on an H200 the compiled
-    cores quantize ~20x faster, but a whole conversion compiles once per tensor shape and ran
-    3.6-5x the I/O floor against 1.4-1.55x eager (BENCHMARKS.md)."""
-    if device == "cpu" or os.environ.get("QCONVERT_COMPILE", "0") != "1":
+    """The quantizer core for ``device``: None on CPU and for eager CUDA (the torch chains run
+    directly), else a function on flat blocks (see :func:`cuda_quantizer`)."""
+    if device == "cpu":
+        return None
+    choice = cuda_quantizer(device)
+    if choice == "triton":
+        from .numerics import cuda_kernels
+        return cuda_kernels.mxfp8_blocks if scheme == "mxfp8" else cuda_kernels.nvfp4_blocks
+    if choice == "eager":
         return None
     if scheme == "mxfp8":
         from .numerics.mxfp8 import compiled_mxfp8_blocks
@@ -370,7 +395,7 @@ class _HashingWriter:
         self.w = ShardWriter(path, specs)
         self._order = list(self.w.names)
         self._next = 0
-        self._hash = hashlib.sha256(self.w.header_bytes)
+        self._hash = BackgroundSha256(self.w.header_bytes)
         self._in_order = True
 
     def write(self, name: str, t: torch.Tensor):
@@ -378,8 +403,9 @@ class _HashingWriter:
         if self._in_order and self._order[self._next] == name:
             self._hash.update(buf)
             self._next += 1
-        else:
+        elif self._in_order:  # out of order: the file is hashed from disk at close
             self._in_order = False
+            self._hash.close()
 
     @property
     def complete(self):
@@ -469,12 +495,18 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
 
 
 def _run(*args, **kwargs):
-    """:func:`_run_threads`, leaving the caller's torch thread count as it was."""
+    """:func:`_run_threads`, leaving the caller's torch thread count as it was, with Python's
+    cyclic garbage collector paused: the conversion makes no reference cycles, and its many
+    short-lived objects set off collections that scan the whole heap (3% of a CPU profile)."""
     prev = torch.get_num_threads()
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
         return _run_threads(*args, **kwargs)
     finally:
         torch.set_num_threads(prev)
+        if gc_was_on:
+            gc.enable()
 
 
 def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,

@@ -15,6 +15,9 @@ import hashlib
 import json
 import math
 import os
+import queue
+import threading
+import weakref
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,12 +159,14 @@ class ShardReader:
     def __init__(self, header: Header, hash_file: bool = True):
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
-        self._hash = hashlib.sha256() if hash_file else None
+        self._hash = BackgroundSha256() if hash_file else None
         self._pos = 0
         self._hashed_to = 0
 
     def close(self):
         self._f.close()
+        if self._hash is not None:
+            self._hash.close()
 
     def __enter__(self):
         return self
@@ -217,6 +222,69 @@ class ShardReader:
             return None
         self._hash_gap(self.header.file_size)
         return self._hash.hexdigest()
+
+
+class _HashState:
+    """What the hashing thread shares with its BackgroundSha256 (never the owner itself, so a
+    dropped owner is collected and its finalizer ends the thread)."""
+
+    def __init__(self, data: bytes):
+        self.h = hashlib.sha256(data)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.pending = 0
+
+    def run(self):
+        while True:
+            buf = self.q.get()
+            if buf is None:
+                return
+            self.h.update(buf)  # releases the GIL for large buffers
+            with self.cond:
+                self.pending -= memoryview(buf).nbytes
+                self.cond.notify_all()
+
+
+class BackgroundSha256:
+    """sha256 of a byte stream, computed on its own thread.
+
+    ``update`` queues the buffer (it must not change afterwards; the queue holds a reference) and
+    returns at once, so the thread reading or writing the bytes is not held up by hashing them
+    (about 1.7 GB/s per core with SHA-NI, as slow as the copy itself): with a spare core the
+    digest costs no wall time. At most ``max_pending`` bytes wait, which bounds the memory the
+    queue keeps alive; ``update`` blocks beyond that. ``hexdigest`` waits for the queue.
+    """
+
+    def __init__(self, data: bytes = b"", max_pending: int = 256 << 20):
+        self._s = _HashState(data)
+        self._max = max_pending
+        self._digest: str | None = None
+        self._thread = threading.Thread(target=self._s.run, name="qconvert-sha256", daemon=True)
+        self._thread.start()
+        # the end marker, queued once: by hexdigest/close, or when this object is dropped
+        self._finalizer = weakref.finalize(self, self._s.q.put, None)
+
+    def update(self, buf) -> None:
+        n = memoryview(buf).nbytes
+        if not n:
+            return
+        s = self._s
+        with s.cond:
+            while s.pending and s.pending + n > self._max:
+                s.cond.wait()
+            s.pending += n
+        s.q.put(buf)
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            self._finalizer()
+            self._thread.join()
+            self._digest = self._s.h.hexdigest()
+        return self._digest
+
+    def close(self) -> None:
+        """Stop without a digest (bytes already queued are hashed, then the thread ends)."""
+        self._finalizer()
 
 
 def sha256_file(path: str | os.PathLike) -> str:
