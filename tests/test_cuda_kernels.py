@@ -16,55 +16,12 @@ import torch
 from qconvert.convert.numerics import cuda_kernels, mxfp8_quantize, nvfp4_quantize
 from qconvert.convert.numerics.nvfp4 import _global_amax
 
+import kernel_cases as kc
+
 pytestmark = pytest.mark.skipif(not cuda_kernels.available("cuda"), reason="needs a CUDA GPU and Triton")
 
 
-def _all_bf16(nan: bool) -> torch.Tensor:
-    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
-    x = bits.view(torch.bfloat16)
-    if not nan:
-        x = x[torch.isfinite(x)]
-    return x
-
-
-def _cases():
-    """(name, bf16/fp16/fp32 tensor [rows, 64]) inputs."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for nan in (False, True):
-        x = _all_bf16(nan)
-        srt = x[x.float().abs().argsort()]
-        shuf = x[torch.randperm(x.numel(), generator=g)]
-        for name, t in (("sorted", srt), ("shuffled", shuf)):
-            n = t.numel() // 64 * 64
-            out.append((f"all-bf16-{name}{'-nan' if nan else ''}", t[:n].reshape(-1, 64)))
-    # adversarial: each row of 64 = 4 NVFP4 blocks = 2 MXFP8 blocks
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0])
-    rows = []
-    for e in range(-140, 119, 3):
-        m = 2.0 ** e
-        rows.append(torch.cat([ties * m, ties * (m * 1.75), ties.flip(0) * m, ties * m / 6]))
-        rows.append(torch.cat([torch.full((16,), 1.75 * m), torch.full((16,), -448.0 * m), torch.zeros(16),
-                               torch.full((16,), 448.0 * m)]))
-    adv = torch.stack(rows)
-    adv[0, :8] = -0.0
-    out.append(("adversarial-bf16", adv.bfloat16()))
-    out.append(("adversarial-fp32", adv))
-    out.append(("zeros", torch.zeros(4, 64).bfloat16()))
-    out.append(("random-fp16", (torch.randn(257, 64, generator=g) * 30).half()))
-    out.append(("random-fp32-wide", torch.randn(129, 64, generator=g) * torch.logspace(-30, 30, 129).unsqueeze(1)))
-    return out
-
-
-CASES = _cases()
-IDS = [c[0] for c in CASES]
-
-
-def _finite_rows(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Mask of the blocks whose inputs are all finite. Elsewhere NaNs arise (an input NaN, or
-    MXFP8's inf * 0 for a block holding inf) whose sign is not specified: CUDA's arithmetic
-    returns its canonical NaN, x86 keeps or sets the sign."""
-    return torch.isfinite(x.float()).reshape(-1, block).all(dim=1)
+CASES, IDS = kc.CASES, kc.IDS
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -72,7 +29,7 @@ def test_mxfp8_kernel_equals_torch_chain(case):
     _, x = case
     q_ref, s_ref = mxfp8_quantize(x)
     q, s = cuda_kernels.mxfp8_blocks(x.cuda().reshape(-1, 32))
-    keep = _finite_rows(x, 32)
+    keep = kc.finite_rows(x, 32)
     assert torch.equal(s.cpu(), s_ref.reshape(-1))  # scale bytes: 255 for non-finite blocks on both
     qb, qr = q.cpu().view(torch.uint8), q_ref.reshape(-1, 32).view(torch.uint8)
     assert int((qb[keep] != qr[keep]).sum()) == 0
@@ -82,7 +39,7 @@ def test_mxfp8_kernel_equals_torch_chain(case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_nvfp4_kernel_equals_torch_chain(case, recipe):
     name, x = case
-    keep = _finite_rows(x, 16)
+    keep = kc.finite_rows(x, 16)
     finite = x[torch.isfinite(x)].float().abs()
     gmax = float(finite.max()) if finite.numel() else 0.0
     # global amaxes: the tensor's own, 0 (all-zero convention), tiny (TE's FLT_MAX clamp), huge

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import cpu_kernels
+
 MXFP8_BLOCK = 32
 E4M3_MAX = 448.0
 #: Smallest scale byte qconvert writes (2^-126). See the module docstring.
@@ -149,10 +151,11 @@ def compiled_mxfp8_blocks():
 def mxfp8_quantize(x: torch.Tensor, workers: int | None = None, blocks_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along the last axis. Returns (float8_e4m3fn [..., K], uint8 [..., K/32]).
 
-    Every block goes through the same op chain (:func:`_quantize_blocks`) on every device. On
-    CPU the blocks are processed in cache-sized chunks by ``workers`` threads (default: torch's
-    intra-op thread count); on other devices the whole tensor is one chunk, through ``blocks_fn``
-    if given (a compiled :func:`mxfp8_quantize_blocks`).
+    The op chain of :func:`_quantize_blocks` defines the bytes. On CPU the one-pass C kernel
+    (cpu_kernels.py, same bytes) runs where it could be built, else the chain in cache-sized
+    chunks; either way on ``workers`` threads (default: torch's intra-op thread count). On other
+    devices the whole tensor is one chunk, through ``blocks_fn`` if given (the Triton kernel or a
+    compiled :func:`mxfp8_quantize_blocks`).
     """
     if x.shape[-1] % MXFP8_BLOCK:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MXFP8_BLOCK}")
@@ -166,8 +169,11 @@ def mxfp8_quantize(x: torch.Tensor, workers: int | None = None, blocks_fn=None) 
         return q, s
     xb = x.reshape(-1, MXFP8_BLOCK)
     if x.device.type == "cpu":
-        _quantize_cpu(xb, q.view(-1, MXFP8_BLOCK), s.view(-1),
-                      torch.get_num_threads() if workers is None else workers)
+        w = torch.get_num_threads() if workers is None else workers
+        if cpu_kernels.usable(xb):  # the same bytes in one pass (cpu_kernels.c)
+            cpu_kernels.mxfp8_into(xb, q.view(-1, MXFP8_BLOCK), s.view(-1), w)
+        else:
+            _quantize_cpu(xb, q.view(-1, MXFP8_BLOCK), s.view(-1), w)
     else:
         _quantize_blocks(xb, q.view(-1, MXFP8_BLOCK), s.view(-1))
     return q, s

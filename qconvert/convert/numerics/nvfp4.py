@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels
+
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -341,9 +343,10 @@ def nvfp4_quantize(
     ``max|x|`` so that fused shards can share one global scale. ``recipe``: ``"te"`` or
     ``"modelopt"`` (see the module docstring for the exact formulas).
 
-    On CPU the blocks are processed in cache-sized chunks by ``workers`` threads (default:
-    torch's intra-op thread count); elsewhere in one pass, through ``blocks_fn`` if given (a
-    compiled :func:`nvfp4_quantize_blocks`). Every path gives the same bytes.
+    On CPU the one-pass C kernel (cpu_kernels.py) runs where it could be built, else the op chain
+    in cache-sized chunks, on ``workers`` threads (default: torch's intra-op thread count);
+    elsewhere in one pass, through ``blocks_fn`` if given (the Triton kernel or a compiled
+    :func:`nvfp4_quantize_blocks`). Every path gives the same bytes.
     """
     if recipe not in NVFP4_RECIPES:
         raise ValueError(f"unknown NVFP4 recipe {recipe!r}; expected one of {NVFP4_RECIPES}")
@@ -363,7 +366,15 @@ def nvfp4_quantize(
         if xb.shape[0]:
             pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
             if dev.type == "cpu":
-                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, torch.get_num_threads() if workers is None else workers)
+                w = torch.get_num_threads() if workers is None else workers
+                if cpu_kernels.usable(xb):  # the same bytes in one pass (cpu_kernels.c)
+                    if recipe == "te":
+                        k0, k1 = te_tensor_scalars(g)
+                    else:
+                        k0, k1 = modelopt_tensor_divisor(scale_2), scale_2
+                    cpu_kernels.nvfp4_into(xb, recipe == "te", float(k0), float(k1), bool(g == 0), pv, sv, w)
+                else:
+                    _quantize_cpu(xb, g, scale_2, recipe, pv, sv, w)
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2

@@ -1,0 +1,160 @@
+"""One-pass CPU kernels (C, ``cpu_kernels.c``) for the MXFP8 and NVFP4 block quantizers.
+
+The torch op chains in ``mxfp8.py`` / ``nvfp4.py`` define the bytes, but on CPU they cost ~12-20
+whole-chunk torch ops per cache-sized chunk, each a pass over memory plus Python dispatch under
+the GIL. The C loops read each element once, keep a block in registers, and run without the GIL,
+so the quantizer's worker threads scale with cores. They give the same bytes as the torch chains
+on every BF16 bit pattern (``tests/test_cpu_kernels.py``, in CI), and every oracle test of
+``mxfp8_quantize`` / ``nvfp4_quantize`` on CPU runs through them.
+
+The C file is built at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/
+``clang``) into a cache directory (``$QCONVERT_CACHE_DIR``, else ``~/.cache/qconvert``), keyed by
+the source, the compiler and the machine, and loaded with ctypes. Without a compiler, or with
+``QCONVERT_CPU_KERNELS=0``, the torch chains run instead (same bytes, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("cpu_kernels.c")
+#: No fast-math, no contraction into FMA: each float operation is one IEEE fp32 operation (the
+#: vector instructions of -march=native included). The build is keyed by this CPU's features.
+_CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+_NATIVE = ["-march=native"]
+_KIND = {torch.bfloat16: 0, torch.float32: 1}
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("QCONVERT_CACHE_DIR")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qconvert"
+
+
+def _cpu_id() -> bytes:
+    """This CPU's model and feature flags: a cache shared by several machines (an NFS home) must
+    not hand a -march=native build to a CPU without those instructions."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith((b"model name", b"flags", b"Features"))]
+        return b"\n".join(sorted(set(lines)))
+    except OSError:
+        return (platform.machine() + platform.processor()).encode()
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why not)."""
+    if os.environ.get("QCONVERT_CPU_KERNELS", "1") == "0":
+        return None, "disabled by QCONVERT_CPU_KERNELS=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC)"
+    src = _SRC.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc}: {e}"
+    key = hashlib.sha256(src + version + " ".join(_CFLAGS + _NATIVE).encode() + _cpu_id()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not out.exists():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            for extra in (_NATIVE, []):  # a compiler without -march=native gets the baseline ISA
+                r = subprocess.run([cc, *_CFLAGS, *extra, str(_SRC), "-o", tmp], capture_output=True, text=True,
+                                   timeout=300)
+                if not r.returncode:
+                    break
+            if r.returncode:
+                os.unlink(tmp)
+                return None, f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
+            os.replace(tmp, out)  # atomic: concurrent builders each leave a complete file
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"cannot build {out}: {e}"
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:
+        return None, f"cannot load {out}: {e}"
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.qc_mxfp8.argtypes = [p, i, i64, i64, p, p]
+    lib.qc_mxfp8.restype = None
+    lib.qc_nvfp4.argtypes = [p, i, i64, i64, i, f, f, i, p, p]
+    lib.qc_nvfp4.restype = None
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first call; None where they cannot be built (see :func:`status`)."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _build()
+        return _state["lib"]
+
+
+def status() -> str:
+    """"compiled C" or why the torch chains are used on CPU."""
+    return "compiled C" if library() is not None else f"torch op chains ({_state['why']})"
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _KIND and x.is_contiguous() and library() is not None
+
+
+def _run_chunks(fn, n: int, workers: int) -> None:
+    """``fn(b0, b1)`` over [0, n) in chunks on ``workers`` threads (the C calls release the GIL)."""
+    from .mxfp8 import _pool
+
+    workers = max(1, workers)
+    if workers == 1 or n < 8192:
+        fn(0, n)
+        return
+    step = max(4096, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
+    futures = [_pool(workers).submit(fn, b0, min(n, b0 + step)) for b0 in range(0, n, step)]
+    for fut in futures:
+        fut.result()
+
+
+def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:
+    """Quantize contiguous blocks ``xb [n, 32]`` (BF16 or FP32, CPU) into e4m3 ``q [n, 32]`` and
+    uint8 ``s [n]``: the bytes of :func:`mxfp8.mxfp8_quantize`."""
+    lib = library()
+    kind = _KIND[xb.dtype]
+    xp, qp, sp = xb.data_ptr(), q.data_ptr(), s.data_ptr()
+    _run_chunks(lambda b0, b1: lib.qc_mxfp8(xp, kind, b0, b1, qp, sp), xb.shape[0], workers)
+
+
+def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
+               packed: torch.Tensor, scale: torch.Tensor, workers: int) -> None:
+    """Quantize contiguous blocks ``xb [n, 16]`` into ``packed [n, 8]`` and e4m3 ``scale [n]``
+    with the per-tensor factors of the recipe (see ``cpu_kernels.c``)."""
+    lib = library()
+    kind = _KIND[xb.dtype]
+    xp, pp, sp = xb.data_ptr(), packed.data_ptr(), scale.data_ptr()
+    te_i, gz = int(bool(te)), int(bool(g_zero))
+    _run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)

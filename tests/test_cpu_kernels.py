@@ -1,0 +1,124 @@
+"""The one-pass C kernels (numerics/cpu_kernels.py) give the bytes of the torch op chains, which
+the oracle tests hold to vLLM, torchao, ModelOpt and CUDA's own conversions (those tests call
+mxfp8_quantize / nvfp4_quantize, which run the C kernels on CPU wherever they could be built).
+
+Expected values here are the chains themselves, run directly (mxfp8._quantize_cpu,
+nvfp4._quantize_cpu), on every BF16 bit pattern and the adversarial cases of kernel_cases.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernel_cases as kc
+from qconvert.convert.numerics import cpu_kernels, mxfp8, nvfp4
+
+HAVE_CC = cpu_kernels._compiler() is not None
+pytestmark = pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+C_CASES = [c for c in kc.CASES if c[1].dtype in (torch.bfloat16, torch.float32)]
+C_IDS = [c[0] for c in C_CASES]
+
+
+def test_kernels_are_built_where_a_compiler_exists():
+    assert cpu_kernels.library() is not None, cpu_kernels.status()
+    assert cpu_kernels.status() == "compiled C"
+
+
+def _chain_mxfp8(x):
+    xb = x.reshape(-1, 32)
+    q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
+    s = torch.empty(xb.shape[0], dtype=torch.uint8)
+    mxfp8._quantize_cpu(xb, q, s, 1)
+    return q.view(torch.uint8), s
+
+
+def _chain_nvfp4(x, g, recipe):
+    xb = x.reshape(-1, 16)
+    p = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
+    sc = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
+    nvfp4._quantize_cpu(xb, g, nvfp4._scale_2(g, recipe), recipe, p, sc, 1)
+    return p, sc.view(torch.uint8)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("case", C_CASES, ids=C_IDS)
+def test_mxfp8_c_equals_chain(case, workers):
+    _, x = case
+    assert cpu_kernels.usable(x.reshape(-1, 32))
+    q, s = mxfp8.mxfp8_quantize(x, workers=workers)
+    q_ref, s_ref = _chain_mxfp8(x)
+    keep = kc.finite_rows(x, 32)
+    assert torch.equal(s.reshape(-1), s_ref)
+    assert int((q.reshape(-1, 32).view(torch.uint8)[keep] != q_ref[keep]).sum()) == 0
+
+
+@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+@pytest.mark.parametrize("case", C_CASES, ids=C_IDS)
+def test_nvfp4_c_equals_chain(case, recipe):
+    name, x = case
+    keep = kc.finite_rows(x, 16)
+    finite = x[torch.isfinite(x)].float().abs()
+    gmax = float(finite.max()) if finite.numel() else 0.0
+    scales = [None, gmax * 4, 1e-38, 3e38, 7.2e-43] + [2.0 ** e for e in range(-140, 128, 17)]
+    for gs in scales:
+        if name.endswith("-nan") and gs is None:
+            continue  # a NaN global amax: nothing to compare
+        g = nvfp4._global_amax(x, None if gs is None else torch.tensor(gs))
+        p, sc, s2 = nvfp4.nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=2)
+        p_ref, sc_ref = _chain_nvfp4(x, g, recipe)
+        p, sc = p.reshape(-1, 8), sc.reshape(-1).view(torch.uint8)
+        assert int((sc[keep] != sc_ref[keep]).sum()) == 0, (name, gs)
+        assert int((p[keep] != p_ref[keep]).sum()) == 0, (name, gs)
+        assert torch.equal(p & 0x77, p_ref & 0x77), (name, gs)  # magnitudes everywhere: NaN -> 7
+
+
+@pytest.mark.parametrize("blocks", [1, 4095, 8192, 8193, 70001])
+def test_chunk_boundaries_and_threads(blocks):
+    g = torch.Generator().manual_seed(blocks)
+    x = (torch.randn(blocks, 32, generator=g) * torch.logspace(-3, 3, blocks).unsqueeze(1)).bfloat16()
+    q_ref, s_ref = _chain_mxfp8(x)
+    for workers in (1, 2, 5):
+        q, s = mxfp8.mxfp8_quantize(x, workers=workers)
+        assert torch.equal(q.view(torch.uint8), q_ref) and torch.equal(s.reshape(-1), s_ref)
+    ga = nvfp4._global_amax(x, None)
+    p_ref, sc_ref = _chain_nvfp4(x, ga, "te")
+    for workers in (1, 4):
+        p, sc, _ = nvfp4.nvfp4_quantize(x, workers=workers)
+        assert torch.equal(p.reshape(-1, 8), p_ref) and torch.equal(sc.reshape(-1).view(torch.uint8), sc_ref)
+
+
+def test_non_contiguous_and_fp16_inputs_use_the_chain_with_the_same_bytes():
+    x = (torch.randn(64, 128) * 0.1).bfloat16()
+    xt = x.t()  # not contiguous: reshape copies, the kernel sees a contiguous copy
+    q1, s1 = mxfp8.mxfp8_quantize(xt)
+    q2, s2 = mxfp8.mxfp8_quantize(xt.contiguous())
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+    h = x.half()
+    assert not cpu_kernels.usable(h.reshape(-1, 32))
+    q3, s3 = mxfp8.mxfp8_quantize(h)
+    q4, s4 = _chain_mxfp8(h)
+    assert torch.equal(q3.reshape(-1, 32).view(torch.uint8), q4) and torch.equal(s3.reshape(-1), s4)
+
+
+def test_disabled_or_no_compiler_falls_back_to_the_chain(tmp_path):
+    """QCONVERT_CPU_KERNELS=0, and a CC that does not exist: the chains run, the bytes are equal."""
+    code = ("import torch; from qconvert.convert.numerics import cpu_kernels as c, mxfp8_quantize as q;"
+            "x = (torch.randn(4096, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16();"
+            "a, s = q(x); print(c.status()); print(int(a.view(torch.uint8).int().sum()), int(s.int().sum()))")
+    outs = []
+    for env in ({"QCONVERT_CPU_KERNELS": "0"}, {"CC": str(tmp_path / "no-such-cc"), "QCONVERT_CACHE_DIR": str(tmp_path)},
+                {"QCONVERT_CACHE_DIR": str(tmp_path / "fresh")}):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.splitlines())
+    assert "disabled by QCONVERT_CPU_KERNELS=0" in outs[0][0]
+    assert outs[1][0].startswith("torch op chains (") and "no-such-cc" in outs[1][0]
+    assert outs[2][0] == "compiled C"  # built afresh into an empty cache directory
+    assert outs[0][1] == outs[1][1] == outs[2][1]
+    assert any(p.suffix == ".so" for p in (tmp_path / "fresh").iterdir())
