@@ -52,7 +52,7 @@ class ConvertOptions:
     dry_run: bool = False
     allow_non_finite: bool = False
     progress: bool | None = None  # None: on a terminal only
-    queue_bytes: int = 1 << 30  # read-ahead bound
+    queue_bytes: int = 512 << 20  # read-ahead bound: input bytes read whose outputs are not written yet
     fsync: bool = True
     recipe: str = "te"  # NVFP4: te | modelopt
     input_mode: str = "weight-only"  # NVFP4: weight-only (W4A16) | unit | copied
@@ -399,13 +399,14 @@ class _HashingWriter:
         self._in_order = True
 
     def write(self, name: str, t: torch.Tensor):
-        buf = self.w.write(name, t)
         if self._in_order and self._order[self._next] == name:
-            self._hash.update(buf)
+            self.w.write(name, t, before=self._hash.update)  # hashed while being written
             self._next += 1
-        elif self._in_order:  # out of order: the file is hashed from disk at close
+            return
+        if self._in_order:  # out of order: the file is hashed from disk at close
             self._in_order = False
             self._hash.close()
+        self.w.write(name, t)
 
     @property
     def complete(self):

@@ -338,12 +338,15 @@ class ShardWriter:
     def names(self):
         return list(self._specs)
 
-    def write(self, name: str, t: torch.Tensor) -> memoryview:
-        """Write ``t`` at its offset; returns the bytes written (for hashing without a second view)."""
+    def write(self, name: str, t: torch.Tensor, before=None) -> memoryview:
+        """Write ``t`` at its offset; returns the bytes written. ``before(bytes)`` is called with
+        them first (a background hash then reads them while they are being written)."""
         dtype, shape, off, nbytes = self._specs[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise AssertionError(f"internal: {name} planned {dtype}{list(shape)} got {t.dtype}{list(t.shape)}")
         buf = tensor_bytes(t)
+        if before is not None:
+            before(buf)
         pos = self._data_start + off
         try:
             done = 0
