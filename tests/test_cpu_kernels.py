@@ -122,3 +122,22 @@ def test_disabled_or_no_compiler_falls_back_to_the_chain(tmp_path):
     assert outs[2][0] == "compiled C"  # built afresh into an empty cache directory
     assert outs[0][1] == outs[1][1] == outs[2][1]
     assert any(p.suffix == ".so" for p in (tmp_path / "fresh").iterdir())
+
+
+def test_cuda_quantizer_choice(monkeypatch):
+    """QCONVERT_CUDA_QUANTIZER picks the CUDA core; Triton falls back to eager where it cannot run,
+    and a misspelt value is a one-line error, not a traceback."""
+    from qconvert.convert.pipeline import cuda_quantizer
+    from qconvert.convert.numerics import cuda_kernels
+    from qconvert.errors import QConvertError
+
+    monkeypatch.delenv("QCONVERT_COMPILE", raising=False)
+    monkeypatch.delenv("QCONVERT_CUDA_QUANTIZER", raising=False)
+    assert cuda_quantizer("cuda") == ("triton" if cuda_kernels.available("cuda") else "eager")
+    monkeypatch.setenv("QCONVERT_COMPILE", "1")
+    assert cuda_quantizer("cuda") == "compile"
+    monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "eager")
+    assert cuda_quantizer("cuda") == "eager"
+    monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "tritn")
+    with pytest.raises(QConvertError, match="QCONVERT_CUDA_QUANTIZER='tritn'"):
+        cuda_quantizer("cuda")

@@ -140,7 +140,7 @@ def cuda_quantizer(device: str) -> str:
     if not choice:
         choice = "compile" if os.environ.get("QCONVERT_COMPILE", "0") == "1" else "triton"
     if choice not in CUDA_QUANTIZERS:
-        raise ValueError(f"QCONVERT_CUDA_QUANTIZER={choice!r}: expected one of {', '.join(CUDA_QUANTIZERS)}")
+        raise QConvertError(f"QCONVERT_CUDA_QUANTIZER={choice!r}: expected one of {', '.join(CUDA_QUANTIZERS)}")
     if choice == "triton":
         from .numerics import cuda_kernels
         if not cuda_kernels.available(device):
