@@ -34,8 +34,8 @@ static inline float abs_max(const float *v, int n) {
     return u2f(m);
 }
 
-/* float -> float8 e4m3fn, round to nearest even; for |f| <= 448 (callers clamp) and NaN (0x7F
- * with f's sign bit). Branch-free, so that loops over a block vectorize: both roundings are
+/* float -> float8 e4m3fn, round to nearest even; for |f| < 464 (which rounds to at most 448) and
+ * NaN (0x7F with f's sign bit). Branch-free, so that loops over a block vectorize: both roundings are
  * computed and one is selected. */
 static inline uint32_t e4m3(float f) {
     uint32_t u = f2u(f);
@@ -66,12 +66,9 @@ static inline void mxfp8_block(const float *v, uint8_t *q, uint8_t *s) {
     if (t != t) byte = 255;
     if (byte < 1) byte = 1;
     float mult = u2f((254u - (byte < 254u ? byte : 254u)) << 23); /* 2^-E; 0.0 for byte 255 */
-    for (int i = 0; i < 32; i++) {
-        float y = v[i] * mult;
-        y = y > 448.0f ? 448.0f : y; /* NaN stays NaN */
-        y = y < -448.0f ? -448.0f : y;
-        q[i] = (uint8_t)e4m3(y);
-    }
+    /* No clamp to +-448 as in the torch chain (which guards PyTorch's non-saturating cast): RCEIL
+     * keeps |v * mult| <= 448 * (1 + 2^-23), and e4m3() rounds anything below 464 to at most 448. */
+    for (int i = 0; i < 32; i++) q[i] = (uint8_t)e4m3(v[i] * mult);
     *s = (uint8_t)byte;
 }
 
