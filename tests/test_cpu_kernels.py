@@ -141,3 +141,24 @@ def test_cuda_quantizer_choice(monkeypatch):
     monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "tritn")
     with pytest.raises(QConvertError, match="QCONVERT_CUDA_QUANTIZER='tritn'"):
         cuda_quantizer("cuda")
+
+
+def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(demo_moe, tmp_path, monkeypatch):
+    import json
+
+    from qconvert.convert.pipeline import ConvertOptions, convert
+    from qconvert.convert.plan import PlanOptions
+
+    digests, notes = [], []
+    for name, state in (("c", None), ("chain", {"lib": None, "why": "disabled for this test"})):
+        if state is not None:
+            monkeypatch.setattr(cpu_kernels, "_state", state)
+        for scheme in ("mxfp8", "nvfp4"):
+            dst = tmp_path / f"{name}-{scheme}"
+            res = convert(str(demo_moe), str(dst), scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme),
+                                                                          progress=False))
+            digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
+            notes.append(" ".join(res.notes))
+    assert digests[0] == digests[2] and digests[1] == digests[3]
+    assert "torch op chains" not in notes[0]
+    assert "not the C kernels (disabled for this test)" in notes[2] and "not the C kernels" in notes[3]

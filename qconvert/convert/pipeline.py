@@ -166,6 +166,19 @@ def _blocks_fn(scheme: str, device: str):
     return compiled_nvfp4_blocks()
 
 
+def _slow_quantizer_note(scheme: str, device: str) -> str | None:
+    """A summary note when the fast quantizer core cannot run here (same bytes, slower)."""
+    if device == "cpu":
+        from .numerics import cpu_kernels
+        why = cpu_kernels.unavailable_reason()
+        if why is not None:
+            return f"{scheme} quantized by the torch op chains, not the C kernels ({why}): same bytes, several times slower"
+        return None
+    if cuda_quantizer(device) == "eager" and os.environ.get("QCONVERT_CUDA_QUANTIZER") != "eager":
+        return f"{scheme} quantized by the eager torch chains on {device}: Triton is not importable; same bytes, slower"
+    return None
+
+
 def _keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -> Job:
     def fn(src):
         t = src[name]
@@ -468,6 +481,9 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
         result.seconds = time.perf_counter() - t0
         return result
 
+    slow = _slow_quantizer_note(scheme, opts.device) if any(j.fmt in ("mxfp8", "nvfp4") for j in jobs) else None
+    if slow:
+        result.notes.append(slow)
     # Resumable partial dir beside DST (resume.py): kept on output errors and interrupts.
     part = _resume.open_partial(dst, ckpt, scheme, dialect, opts)
     result.notes.extend(part.notes)

@@ -117,9 +117,15 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here, or None when they can."""
+    return None if library() is not None else _state["why"]
+
+
 def status() -> str:
     """"compiled C" or why the torch chains are used on CPU."""
-    return "compiled C" if library() is not None else f"torch op chains ({_state['why']})"
+    why = unavailable_reason()
+    return "compiled C" if why is None else f"torch op chains ({why})"
 
 
 def usable(x: torch.Tensor) -> bool:
