@@ -162,3 +162,22 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
     assert digests[0] == digests[2] and digests[1] == digests[3]
     assert "torch op chains" not in notes[0]
     assert "not the C kernels (disabled for this test)" in notes[2] and "not the C kernels" in notes[3]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_abs_max_equals_torch(workers):
+    """The global amax of NVFP4 and the finiteness check: max |x| exactly, NaN if any NaN."""
+    allbf = kc._all_bf16(nan=False)
+    big = torch.cat([allbf[torch.randperm(allbf.numel(), generator=torch.Generator().manual_seed(s))]
+                     for s in range(40)])  # > 2M elements: several chunks
+    cases = [allbf, big, torch.zeros(5, dtype=torch.bfloat16), (torch.randn(3_000_001) * 1e30).float(),
+             torch.tensor([-0.0, -1e-45, 3.0]), allbf.float()]
+    for x in cases:
+        ref = x.float().abs().max()
+        got = cpu_kernels.abs_max(x, workers)
+        assert got.dtype == torch.float32 and got.view(torch.int32) == ref.view(torch.int32)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = big.clone()
+        x[1_234_567] = bad
+        got = cpu_kernels.abs_max(x, workers)
+        assert (torch.isnan(got) if bad != bad else got == float("inf"))

@@ -111,14 +111,19 @@ class Job:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """True unless ``t`` holds NaN or +-Inf: min and max in one pass (aminmax propagates NaN),
-    about 50x faster on CPU than ``isfinite(t).all()`` and with no temporary the size of ``t``."""
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    """True unless ``t`` holds NaN or +-Inf: one pass, no temporary the size of ``t`` (about 50x
+    faster on CPU than ``isfinite(t).all()``)."""
+    return bool(torch.isfinite(_abs_max(t)))
 
 
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
-    """``t.abs().amax()`` exactly (NaN propagates), from one min/max pass without a |t| copy."""
+    """``t.abs().amax()`` exactly (NaN propagates): on CPU the C kernel's bit-pattern maximum on the
+    worker threads (the calling thread dispatches every job, so its time is on the critical path),
+    else one min/max pass without a |t| copy."""
+    if t.device.type == "cpu" and t.numel():
+        from .numerics import cpu_kernels
+        if cpu_kernels.usable(t):
+            return cpu_kernels.abs_max(t, CPU_WORKERS)
     lo, hi = torch.aminmax(t)
     return torch.maximum(lo.abs(), hi.abs())
 

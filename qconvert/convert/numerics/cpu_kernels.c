@@ -139,3 +139,25 @@ void qc_nvfp4(const void *x, int kind, int64_t b0, int64_t b1, int te, float k0,
         nvfp4_block(v, te, k0, k1, g_zero, p + b * 8, sc + b);
     }
 }
+
+/* max |x| over elements [i0, i1) as the fp32 bit pattern of |x| (a NaN anywhere gives a NaN's
+ * bits, which exceed inf's): the global amax of NVFP4 and the finiteness check of kept tensors. */
+uint32_t qc_absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
+    uint32_t m = 0;
+    if (kind == 0) {
+        const uint16_t *h = (const uint16_t *)x;
+        uint16_t m16 = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            uint16_t a = h[i] & 0x7FFFu;
+            m16 = a > m16 ? a : m16;
+        }
+        m = (uint32_t)m16 << 16;
+    } else {
+        const uint32_t *w = (const uint32_t *)x;
+        for (int64_t i = i0; i < i1; i++) {
+            uint32_t a = w[i] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+    }
+    return m;
+}

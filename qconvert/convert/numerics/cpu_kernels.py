@@ -106,6 +106,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.qc_mxfp8.restype = None
     lib.qc_nvfp4.argtypes = [p, i, i64, i64, i, f, f, i, p, p]
     lib.qc_nvfp4.restype = None
+    lib.qc_absmax_bits.argtypes = [p, i, i64, i64]
+    lib.qc_absmax_bits.restype = ctypes.c_uint32
     return lib, ""
 
 
@@ -132,18 +134,28 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _KIND and x.is_contiguous() and library() is not None
 
 
-def _run_chunks(fn, n: int, workers: int) -> None:
-    """``fn(b0, b1)`` over [0, n) in chunks on ``workers`` threads (the C calls release the GIL)."""
+def _run_chunks(fn, n: int, workers: int, min_step: int = 4096) -> list:
+    """``fn(b0, b1)`` over [0, n) in chunks on ``workers`` threads (the C calls release the GIL);
+    the results in chunk order."""
     from .mxfp8 import _pool
 
     workers = max(1, workers)
-    if workers == 1 or n < 8192:
-        fn(0, n)
-        return
-    step = max(4096, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
+    if workers == 1 or n < 2 * min_step:
+        return [fn(0, n)]
+    step = max(min_step, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
     futures = [_pool(workers).submit(fn, b0, min(n, b0 + step)) for b0 in range(0, n, step)]
-    for fut in futures:
-        fut.result()
+    return [fut.result() for fut in futures]
+
+
+def abs_max(x: torch.Tensor, workers: int) -> torch.Tensor:
+    """``max |x|`` of a contiguous BF16/FP32 CPU tensor as an fp32 0-dim tensor, exactly (NaN if any
+    element is NaN), on ``workers`` threads."""
+    lib = library()
+    kind = _KIND[x.dtype]
+    xp = x.data_ptr()
+    bits = max(_run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20),
+               default=0)
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).reshape(())  # bits <= 0x7FFFFFFF
 
 
 def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:
