@@ -98,3 +98,16 @@ def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
             import json
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
         assert digests[0] == digests[1], scheme
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_gpu_than_the_current_one():
+    x = (torch.randn(4096, 32, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    q_ref, s_ref = mxfp8_quantize(x)
+    p_ref, sc_ref, _ = nvfp4_quantize(x)
+    with torch.cuda.device(0):
+        q, s = cuda_kernels.mxfp8_blocks(x.to("cuda:1"))
+        p, sc, _ = cuda_kernels.nvfp4_blocks(x.to("cuda:1").reshape(-1, 16), _global_amax(x, None).to("cuda:1"))
+    assert q.device.index == 1 and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.cpu(), s_ref.reshape(-1))
+    assert torch.equal(p.cpu(), p_ref.reshape(-1, 8)) and torch.equal(sc.cpu().view(torch.uint8), sc_ref.reshape(-1).view(torch.uint8))

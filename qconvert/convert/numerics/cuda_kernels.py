@@ -187,8 +187,9 @@ def mxfp8_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn, device=xb.device)
     s = torch.empty(n, dtype=torch.uint8, device=xb.device)
     if n:
-        _mxfp8_kernel[_grid(n, MXFP8_PROGRAM_BLOCKS)](xb, q, s, n, BLOCKS=MXFP8_PROGRAM_BLOCKS,
-                                                       num_warps=MXFP8_WARPS, **_launch_options())
+        with torch.cuda.device(xb.device):  # Triton launches on the current device
+            _mxfp8_kernel[_grid(n, MXFP8_PROGRAM_BLOCKS)](xb, q, s, n, BLOCKS=MXFP8_PROGRAM_BLOCKS,
+                                                           num_warps=MXFP8_WARPS, **_launch_options())
     return q, s
 
 
@@ -203,8 +204,9 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
     scale_2 = torch.empty(1, dtype=torch.float32, device=xb.device)
     words = xb.dtype == torch.bfloat16
-    _nvfp4_kernel[_grid(max(n, 1), NVFP4_PROGRAM_BLOCKS)](xb.view(torch.int32) if words else xb, packed, scale, g,
-                                                          scale_2, n, TE=recipe == "te", BF16_WORDS=words,
-                                                          BLOCKS=NVFP4_PROGRAM_BLOCKS, num_warps=NVFP4_WARPS,
-                                                          **_launch_options())
+    with torch.cuda.device(xb.device):  # Triton launches on the current device
+        _nvfp4_kernel[_grid(max(n, 1), NVFP4_PROGRAM_BLOCKS)](xb.view(torch.int32) if words else xb, packed, scale,
+                                                              g, scale_2, n, TE=recipe == "te", BF16_WORDS=words,
+                                                              BLOCKS=NVFP4_PROGRAM_BLOCKS, num_warps=NVFP4_WARPS,
+                                                              **_launch_options())
     return packed, scale, scale_2.reshape(())
