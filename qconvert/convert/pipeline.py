@@ -29,6 +29,7 @@ from ..errors import CheckpointError, OutputError, QConvertError
 from . import dialects
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
+from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
 from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, sha256_file
@@ -121,7 +122,6 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
     worker threads (the calling thread dispatches every job, so its time is on the critical path),
     else one min/max pass without a |t| copy."""
     if t.device.type == "cpu" and t.numel():
-        from .numerics import cpu_kernels
         if cpu_kernels.usable(t):
             return cpu_kernels.abs_max(t, CPU_WORKERS)
     lo, hi = torch.aminmax(t)
@@ -174,7 +174,6 @@ def _blocks_fn(scheme: str, device: str):
 def _slow_quantizer_note(scheme: str, device: str) -> str | None:
     """A summary note when the fast quantizer core cannot run here (same bytes, slower)."""
     if device == "cpu":
-        from .numerics import cpu_kernels
         why = cpu_kernels.unavailable_reason()
         if why is not None:
             return f"{scheme} quantized by the torch op chains, not the C kernels ({why}): same bytes, several times slower"
@@ -195,12 +194,13 @@ def _keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -
 
 def _mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
     outs = dialects.mxfp8_out_tensors(tp.module, tp.shape, dialect)
+    blocks_fn = _blocks_fn("mxfp8", device)
 
     def fn(src):
         x = src[tp.name]
         if device != "cpu":
             x = x.to(device, non_blocking=True)
-        q, s = mxfp8_quantize(x, workers=CPU_WORKERS, blocks_fn=_blocks_fn("mxfp8", device))
+        q, s = mxfp8_quantize(x, workers=CPU_WORKERS, blocks_fn=blocks_fn)
         if check_finite and bool((s == 255).any()):
             raise CheckpointError(f"tensor {tp.name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
@@ -213,6 +213,7 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
 
     outs_of = {tp.name: dialects.nvfp4_out_tensors(tp.module, tp.shape, dialect, opts.input_mode) for tp in members}
     device = opts.device
+    blocks_fn = _blocks_fn("nvfp4", device)
 
     def fn(src):
         xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
@@ -224,7 +225,7 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
         result = {}
         for n, x in xs.items():
             packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe, workers=CPU_WORKERS,
-                                                    blocks_fn=_blocks_fn("nvfp4", device))
+                                                    blocks_fn=blocks_fn)
             outs = outs_of[n]
             mod = n[: -len(".weight")]
             result[outs[0].name] = packed  # the writer thread copies device tensors back
