@@ -160,7 +160,6 @@ class ShardReader:
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
         self._hash = BackgroundSha256() if hash_file else None
-        self._pos = 0
         self._hashed_to = 0
 
     def close(self):
@@ -338,9 +337,9 @@ class ShardWriter:
     def names(self):
         return list(self._specs)
 
-    def write(self, name: str, t: torch.Tensor, before=None) -> memoryview:
-        """Write ``t`` at its offset; returns the bytes written. ``before(bytes)`` is called with
-        them first (a background hash then reads them while they are being written)."""
+    def write(self, name: str, t: torch.Tensor, before=None) -> None:
+        """Write ``t`` at its offset. ``before(bytes)`` is called with its bytes first (a background
+        hash then reads them while they are being written)."""
         dtype, shape, off, nbytes = self._specs[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise AssertionError(f"internal: {name} planned {dtype}{list(shape)} got {t.dtype}{list(t.shape)}")
@@ -355,7 +354,6 @@ class ShardWriter:
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write tensor {name!r} ({e.strerror}); check free space") from None
         self._pending.discard(name)
-        return buf
 
     @property
     def complete(self) -> bool:
