@@ -54,3 +54,13 @@ def finite_rows(x: torch.Tensor, block: int) -> torch.Tensor:
     MXFP8's inf * 0 for a block holding inf) whose sign is not specified: CUDA's arithmetic
     returns its canonical NaN, x86 keeps or sets the sign."""
     return torch.isfinite(x.float()).reshape(-1, block).all(dim=1)
+
+
+def global_amaxes(name: str, x: torch.Tensor) -> list:
+    """Global amaxes to quantize ``x`` with: None (its own max|x|; left out for inputs holding NaN,
+    where every block would be NaN), 4x its own, tiny (TE's S_enc clamp at FLT_MAX, and an fp32
+    subnormal), huge, and powers of two across the fp32 range."""
+    finite = x[torch.isfinite(x)].float().abs()
+    gmax = float(finite.max()) if finite.numel() else 0.0
+    own = [] if name.endswith("-nan") else [None]
+    return own + [gmax * 4, 1e-38, 3e38, 7.2e-43] + [2.0 ** e for e in range(-140, 128, 17)]

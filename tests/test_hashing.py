@@ -11,16 +11,19 @@ import time
 from qconvert.convert.safetensors_io import BackgroundSha256
 
 
-def _hash_threads() -> int:
-    return sum(t.name == "qconvert-sha256" for t in threading.enumerate())
+def _hash_threads() -> set:
+    return {t for t in threading.enumerate() if t.name == "qconvert-sha256"}
 
 
-def _settle(base: int) -> int:
+def _left_running(before: set) -> set:
+    """Hash threads started since ``before`` that are still alive after a short wait (threads of
+    earlier tests may end meanwhile, so counts would not do)."""
     for _ in range(100):
-        if _hash_threads() <= base:
+        new = _hash_threads() - before
+        if not new:
             break
         time.sleep(0.01)
-    return _hash_threads()
+    return _hash_threads() - before
 
 
 def test_digest_equals_hashlib_for_mixed_buffers():
@@ -36,7 +39,8 @@ def test_digest_equals_hashlib_for_mixed_buffers():
 
 
 def test_threads_end_on_close_on_drop_and_after_a_conversion(demo_moe, tmp_path):
-    base = _hash_threads()
+    gc.collect()
+    before = _hash_threads()
     h = BackgroundSha256()
     h.update(b"x" * 100)
     h.close()
@@ -44,11 +48,11 @@ def test_threads_end_on_close_on_drop_and_after_a_conversion(demo_moe, tmp_path)
     h.update(b"y")
     del h  # dropped without a digest (an error elsewhere): its thread still ends
     gc.collect()
-    assert _settle(base) == base
+    assert not _left_running(before)
 
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
     convert(str(demo_moe), str(tmp_path / "q"), "mxfp8",
             ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
-    assert _settle(base) == base
+    assert not _left_running(before)
