@@ -41,6 +41,10 @@ def test_nvfp4_kernel_equals_torch_chain(case, recipe):
     name, x = case
     keep = kc.finite_rows(x, 16)
     for g in kc.global_amaxes(name, x):
+        if recipe == "modelopt" and g is not None and float(torch.tensor(g) / 2688) == 0:
+            # ModelOpt's scale_2 = g / 2688 underflows to 0: every block scale is NaN, whose sign
+            # x86 and CUDA arithmetic set differently (unspecified, nvfp4.py): nothing to compare
+            continue
         gt = None if g is None else torch.tensor(g)
         p_ref, s_ref, s2_ref = nvfp4_quantize(x, global_amax=gt, recipe=recipe)
         xc = x.cuda()
