@@ -30,7 +30,10 @@ def plan_options(fn):
         click.option("--quantize-lm-head", is_flag=True, help="Quantize lm_head too (engines usually keep it BF16)."),
         click.option("--dry-run", is_flag=True, help="Print the per-layer plan and projected size; write nothing."),
         click.option("--force", is_flag=True, help="Replace DST if it exists (only after the new output is complete)."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                     help="Where to quantize. cpu: one-pass C kernels built at first use with $CC/cc "
+                          "(QCONVERT_CPU_KERNELS=0: torch code); cuda: Triton kernels "
+                          "(QCONVERT_CUDA_QUANTIZER=eager|compile: torch code). Same bytes either way."),
         click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
         click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
         click.option("--allow-pickle", is_flag=True, help="Read a .bin/.pt checkpoint with torch.load(weights_only=True) "
