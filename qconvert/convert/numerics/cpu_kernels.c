@@ -13,6 +13,11 @@
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* c ? a : b for c in {0, 1}, as bit masks: compilers vectorize the loops below only when their
+ * bodies have no branches, and ternaries inside inlined helpers are not always if-converted
+ * (GCC 12 on AVX2 left every quantizer loop scalar). */
+static inline uint32_t sel(uint32_t c, uint32_t a, uint32_t b) { uint32_t m = 0u - c; return (a & m) | (b & ~m); }
+static inline uint32_t umin(uint32_t a, uint32_t b) { return sel(a < b, a, b); }
 
 static inline void load_block(const void *x, int kind, int64_t start, int n, float *v) {
     if (kind == 0) {
@@ -46,8 +51,8 @@ static inline uint32_t e4m3(float f) {
     uint32_t sub = f2u(u2f(a) + 16384.0f) - 0x46800000u;
     /* normal: keep 3 mantissa bits, ties to even, carrying into the exponent; rebias 127 -> 7 */
     uint32_t nor = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t r = a < (121u << 23) ? sub : nor;
-    r = a > 0x7F800000u ? 0x7Fu : r;
+    uint32_t r = sel(a < (121u << 23), sub, nor);
+    r = sel(a > 0x7F800000u, 0x7Fu, r);
     return sign | r;
 }
 
@@ -60,7 +65,7 @@ static inline float e4m3_value(uint32_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-static inline void mxfp8_block(const float *v, uint8_t *q, uint8_t *s) {
+static inline void mxfp8_block(const float *restrict v, uint8_t *restrict q, uint8_t *restrict s) {
     float t = abs_max(v, 32) / 448.0f;
     uint32_t byte = ((f2u(t) + 0x7FFFFFu) >> 23) & 0xFFu; /* ceil(log2 t) + 127 */
     if (t != t) byte = 255;
@@ -87,16 +92,16 @@ void qc_mxfp8(const void *x, int kind, int64_t b0, int64_t b1, uint8_t *q, uint8
  * the fp32 step is 1 (ties to even, as E2M1's mantissa), and in each range the right candidate is
  * the smallest of the three. */
 static inline uint32_t e2m1_mag(float a) {
-    float c = a <= 6.0f ? a : 6.0f; /* above 6, inf and NaN saturate to 6, code 7 */
+    float c = u2f(sel(a <= 6.0f, f2u(a), f2u(6.0f))); /* above 6, inf and NaN saturate to 6, code 7 */
     float t0 = c * 2.0f + 8388608.0f, t1 = c + 8388610.0f, t2 = c * 0.5f + 8388612.0f;
-    float m = t0 < t1 ? t0 : t1;
-    m = m < t2 ? m : t2;
-    return f2u(m) & 7u;
+    /* positive finite floats order like their bit patterns */
+    return umin(umin(f2u(t0), f2u(t1)), f2u(t2)) & 7u;
 }
 
 static inline float fabs_bits(float f) { return u2f(f2u(f) & 0x7FFFFFFFu); }
 
-static inline void nvfp4_block(const float *v, int te, float k0, float k1, int g_zero, uint8_t *p, uint8_t *sc) {
+static inline void nvfp4_block(const float *restrict v, int te, float k0, float k1, int g_zero, uint8_t *restrict p,
+                               uint8_t *restrict sc) {
     const float flt_max = 3.4028234663852886e38f;
     float amax = abs_max(v, 16);
     uint32_t code[16];
@@ -120,7 +125,7 @@ static inline void nvfp4_block(const float *v, int te, float k0, float k1, int g
         float div = g_zero ? 1.0f : e4m3_value(scale) * k1;
         for (int i = 0; i < 16; i++) {
             float q = v[i] / div;
-            code[i] = e2m1_mag(fabs_bits(q)) | (q < 0.0f ? 8u : 0u); /* ModelOpt: q < 0 */
+            code[i] = e2m1_mag(fabs_bits(q)) | ((uint32_t)(q < 0.0f) << 3); /* ModelOpt: q < 0 */
         }
     }
     for (int j = 0; j < 8; j++) p[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
