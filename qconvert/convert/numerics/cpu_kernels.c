@@ -17,26 +17,45 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
  * bodies have no branches, and ternaries inside inlined helpers are not always if-converted
  * (GCC 12 on AVX2 left every quantizer loop scalar). */
 static inline uint32_t sel(uint32_t c, uint32_t a, uint32_t b) { uint32_t m = 0u - c; return (a & m) | (b & ~m); }
-static inline uint32_t umin(uint32_t a, uint32_t b) { return sel(a < b, a, b); }
+/* min of a, b < 2^31 (compared as signed: AVX2 has no unsigned compare) */
+static inline uint32_t umin(uint32_t a, uint32_t b) { return sel((int32_t)a < (int32_t)b, a, b); }
 
-static inline void load_block(const void *x, int kind, int64_t start, int n, float *v) {
+/* Blocks are processed in groups of G: first each block's max |x| (one vectorized reduction per
+ * block), then the per-block scale arithmetic for the whole group as one vectorized loop over
+ * blocks, then the elements. Done block by block, the scalar scale arithmetic cost more than the
+ * elements themselves (16-element NVFP4 blocks are two AVX2 vectors). */
+#define G 16
+
+/* max |x| of each of the n <= G blocks of bs elements starting at block b, as fp32 bit patterns:
+ * non-negative floats order like their bits and a NaN's bits exceed inf's, so a NaN anywhere
+ * gives a NaN, as torch's amax does. BF16 is compared as 16-bit patterns, its fp32 bits' high half. */
+static inline void group_absmax(const void *x, int kind, int64_t b, int n, int bs, uint32_t *restrict am) {
     if (kind == 0) {
-        const uint16_t *h = (const uint16_t *)x + start;
-        for (int i = 0; i < n; i++) v[i] = u2f((uint32_t)h[i] << 16);
+        const uint16_t *h = (const uint16_t *)x + b * bs;
+        for (int k = 0; k < n; k++) {
+            uint16_t m = 0;
+            for (int i = 0; i < bs; i++) {
+                uint16_t a = h[k * bs + i] & 0x7FFFu;
+                m = a > m ? a : m;
+            }
+            am[k] = (uint32_t)m << 16;
+        }
     } else {
-        memcpy(v, (const float *)x + start, (size_t)n * 4);
+        const uint32_t *w = (const uint32_t *)x + b * bs;
+        for (int k = 0; k < n; k++) {
+            uint32_t m = 0;
+            for (int i = 0; i < bs; i++) {
+                uint32_t a = w[k * bs + i] & 0x7FFFFFFFu;
+                m = a > m ? a : m;
+            }
+            am[k] = m;
+        }
     }
 }
 
-/* max |v| from the bit patterns: non-negative floats order like their bits and a NaN's bits
- * exceed inf's, so a NaN anywhere gives NaN, as torch's amax does. */
-static inline float abs_max(const float *v, int n) {
-    uint32_t m = 0;
-    for (int i = 0; i < n; i++) {
-        uint32_t a = f2u(v[i]) & 0x7FFFFFFFu;
-        m = a > m ? a : m;
-    }
-    return u2f(m);
+/* element i of block k of a group, as fp32 */
+static inline float elem(const void *x, int kind, int64_t base, int i) {
+    return kind == 0 ? u2f((uint32_t)((const uint16_t *)x)[base + i] << 16) : ((const float *)x)[base + i];
 }
 
 /* float -> float8 e4m3fn, round to nearest even; for |f| < 464 (which rounds to at most 448) and
@@ -51,40 +70,51 @@ static inline uint32_t e4m3(float f) {
     uint32_t sub = f2u(u2f(a) + 16384.0f) - 0x46800000u;
     /* normal: keep 3 mantissa bits, ties to even, carrying into the exponent; rebias 127 -> 7 */
     uint32_t nor = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t r = sel(a < (121u << 23), sub, nor);
-    r = sel(a > 0x7F800000u, 0x7Fu, r);
+    /* a < 2^31: signed compares give the same answers and AVX2 has no unsigned ones */
+    uint32_t r = sel((int32_t)a < (int32_t)(121u << 23), sub, nor);
+    r = sel((int32_t)a > (int32_t)0x7F800000u, 0x7Fu, r);
     return sign | r;
 }
 
 static inline float e4m3_value(uint32_t b) {
     uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
-    float v;
-    if ((b & 0x7F) == 0x7F) v = u2f(0x7FC00000u); /* NaN */
-    else if (e) v = u2f(((e + 120u) << 23) | (m << 20));
-    else v = (float)m * 0.001953125f; /* m * 2^-9, exact */
-    return (b & 0x80) ? -v : v;
+    uint32_t mag = sel(e != 0, ((e + 120u) << 23) | (m << 20), f2u((float)m * 0.001953125f)); /* m * 2^-9, exact */
+    mag = sel((b & 0x7Fu) == 0x7Fu, 0x7FC00000u, mag); /* NaN */
+    return u2f(mag | ((b & 0x80u) << 24));
 }
 
-static inline void mxfp8_block(const float *restrict v, uint8_t *restrict q, uint8_t *restrict s) {
-    float t = abs_max(v, 32) / 448.0f;
-    uint32_t byte = ((f2u(t) + 0x7FFFFFu) >> 23) & 0xFFu; /* ceil(log2 t) + 127 */
-    if (t != t) byte = 255;
-    if (byte < 1) byte = 1;
-    float mult = u2f((254u - (byte < 254u ? byte : 254u)) << 23); /* 2^-E; 0.0 for byte 255 */
-    /* No clamp to +-448 as in the torch chain (which guards PyTorch's non-saturating cast): RCEIL
-     * keeps |v * mult| <= 448 * (1 + 2^-23), and e4m3() rounds anything below 464 to at most 448. */
-    for (int i = 0; i < 32; i++) q[i] = (uint8_t)e4m3(v[i] * mult);
-    *s = (uint8_t)byte;
+static inline float fsel(uint32_t c, float a, float b) { return u2f(sel(c, f2u(a), f2u(b))); }
+
+static inline __attribute__((always_inline)) void mxfp8_range(const void *x, const int kind, int64_t b0, int64_t b1,
+                                                             uint8_t *restrict q, uint8_t *restrict s) {
+    uint32_t am[G];
+    float mult[G];
+    for (int64_t b = b0; b < b1; b += G) {
+        int n = b1 - b < G ? (int)(b1 - b) : G;
+        group_absmax(x, kind, b, n, 32, am);
+        for (int k = 0; k < n; k++) {
+            float t = u2f(am[k]) / 448.0f;
+            uint32_t byte = ((f2u(t) + 0x7FFFFFu) >> 23) & 0xFFu; /* ceil(log2 t) + 127 */
+            byte = sel(t != t, 255u, byte);
+            byte = sel(byte < 1u, 1u, byte);
+            mult[k] = u2f((254u - umin(byte, 254u)) << 23); /* 2^-E; 0.0 for byte 255 */
+            s[b + k] = (uint8_t)byte;
+        }
+        /* No clamp to +-448 as in the torch chain (which guards PyTorch's non-saturating cast): RCEIL
+         * keeps |x * mult| <= 448 * (1 + 2^-23), and e4m3() rounds anything below 464 to at most 448. */
+        for (int k = 0; k < n; k++) {
+            int64_t base = (b + k) * 32;
+            for (int i = 0; i < 32; i++) q[base + i] = (uint8_t)e4m3(elem(x, kind, base, i) * mult[k]);
+        }
+    }
 }
 
 /* MXFP8: blocks [b0, b1) of 32 elements -> e4m3 bytes q[32 per block], E8M0 bytes s[1 per block]
- * (RCEIL, at least 1; 255 for a block holding NaN or inf). */
+ * (RCEIL, at least 1; 255 for a block holding NaN or inf). One loop body per input kind: a kind
+ * test inside the element loops keeps them from vectorizing. */
 void qc_mxfp8(const void *x, int kind, int64_t b0, int64_t b1, uint8_t *q, uint8_t *s) {
-    float v[32];
-    for (int64_t b = b0; b < b1; b++) {
-        load_block(x, kind, b * 32, 32, v);
-        mxfp8_block(v, q + b * 32, s + b);
-    }
+    if (kind == 0) mxfp8_range(x, 0, b0, b1, q, s);
+    else mxfp8_range(x, 1, b0, b1, q, s);
 }
 
 /* E2M1 magnitude code of a = |v| >= 0: RNE, saturating at 6, NaN -> 7. Below 2 the grid step is
@@ -99,50 +129,84 @@ static inline uint32_t e2m1_mag(float a) {
 }
 
 static inline float fabs_bits(float f) { return u2f(f2u(f) & 0x7FFFFFFFu); }
-
-static inline void nvfp4_block(const float *restrict v, int te, float k0, float k1, int g_zero, uint8_t *restrict p,
-                               uint8_t *restrict sc) {
-    const float flt_max = 3.4028234663852886e38f;
-    float amax = abs_max(v, 16);
-    uint32_t code[16];
-    uint32_t scale;
-    if (te) {
-        float s = amax * k0;
-        s = s > 448.0f ? 448.0f : s; /* NaN stays NaN */
-        scale = e4m3(s);
-        float inv = 1.0f / (e4m3_value(scale) * k1);
-        inv = inv > flt_max ? flt_max : inv;
-        for (int i = 0; i < 16; i++) {
-            float q = v[i] * inv;
-            code[i] = e2m1_mag(fabs_bits(q)) | ((f2u(q) >> 28) & 8u); /* sign bit: -0.0 gives 8 */
-        }
+/* elements 2j and 2j+1 of the block at base, read as one word so that a loop over j reads memory
+ * contiguously and vectorizes (a loop over elements followed by a byte-packing loop stayed scalar) */
+static inline void elem_pair(const void *x, int kind, int64_t base, int j, float *lo, float *hi) {
+    if (kind == 0) {
+        uint32_t w;
+        memcpy(&w, (const uint16_t *)x + base + 2 * j, 4);
+        *lo = u2f(w << 16);
+        *hi = u2f(w & 0xFFFF0000u);
     } else {
-        float s = amax / k0;
-        if (s == 0.0f || g_zero) s = 1.0f;
-        if (s < 0.001953125f) s = 0.001953125f; /* clamp to [2^-9, 448]; NaN stays NaN */
-        else if (s > 448.0f) s = 448.0f;
-        scale = e4m3(s);
-        float div = g_zero ? 1.0f : e4m3_value(scale) * k1;
-        for (int i = 0; i < 16; i++) {
-            float q = v[i] / div;
-            code[i] = e2m1_mag(fabs_bits(q)) | ((uint32_t)(q < 0.0f) << 3); /* ModelOpt: q < 0 */
-        }
+        uint64_t w;
+        memcpy(&w, (const float *)x + base + 2 * j, 8);
+        *lo = u2f((uint32_t)w);
+        *hi = u2f((uint32_t)(w >> 32));
     }
-    for (int j = 0; j < 8; j++) p[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
-    *sc = (uint8_t)scale;
 }
+
+/* fe[8k + j] = f[k]: one factor per element pair, so that the loop over a group's pairs reads it
+ * contiguously (a loop over the 8 pairs of each block is too short to vectorize with byte stores) */
+static inline void spread(const float *restrict f, int n, float *restrict fe) {
+    for (int k = 0; k < n; k++)
+        for (int j = 0; j < 8; j++) fe[8 * k + j] = f[k];
+}
+
+static inline uint32_t te_code(float q) { return e2m1_mag(fabs_bits(q)) | ((f2u(q) >> 28) & 8u); } /* -0.0 gives 8 */
+static inline uint32_t modelopt_code(float q) { return e2m1_mag(fabs_bits(q)) | ((uint32_t)(q < 0.0f) << 3); }
 
 /* NVFP4: blocks [b0, b1) of 16 elements -> packed codes p[8 per block] (element 2j in the low
  * nibble) and e4m3 block scales sc[1 per block]. te != 0: TransformerEngine's operation order with
  * k0 = S_enc * fl32(1/6), k1 = S_dec; otherwise ModelOpt's, with k0 = 6 * scale_2, k1 = scale_2
  * and g_zero = (global amax == 0). */
+static inline __attribute__((always_inline)) void nvfp4_range(const void *x, const int kind, int64_t b0, int64_t b1,
+                                                             int te, float k0, float k1, int g_zero,
+                                                             uint8_t *restrict p, uint8_t *restrict sc) {
+    const float flt_max = 3.4028234663852886e38f;
+    uint32_t am[G];
+    float f[G]; /* te: the multiplier 1/(s/S_enc); ModelOpt: the divisor s * scale_2 */
+    float fe[G * 8]; /* f per pair of elements: the element loop runs over the whole group */
+    for (int64_t b = b0; b < b1; b += G) {
+        int n = b1 - b < G ? (int)(b1 - b) : G;
+        group_absmax(x, kind, b, n, 16, am);
+        if (te) {
+            for (int k = 0; k < n; k++) {
+                float s = u2f(am[k]) * k0;
+                s = fsel(s > 448.0f, 448.0f, s); /* NaN stays NaN */
+                uint32_t scale = e4m3(s);
+                float inv = 1.0f / (e4m3_value(scale) * k1);
+                f[k] = fsel(inv > flt_max, flt_max, inv);
+                sc[b + k] = (uint8_t)scale;
+            }
+            spread(f, n, fe);
+            for (int m = 0; m < n * 8; m++) {
+                float lo, hi;
+                elem_pair(x, kind, b * 16, m, &lo, &hi);
+                p[b * 8 + m] = (uint8_t)(te_code(lo * fe[m]) | (te_code(hi * fe[m]) << 4));
+            }
+        } else {
+            for (int k = 0; k < n; k++) {
+                float s = u2f(am[k]) / k0;
+                s = fsel((s == 0.0f) | (g_zero != 0), 1.0f, s);
+                s = fsel(s < 0.001953125f, 0.001953125f, fsel(s > 448.0f, 448.0f, s)); /* [2^-9, 448]; NaN stays */
+                uint32_t scale = e4m3(s);
+                f[k] = fsel(g_zero != 0, 1.0f, e4m3_value(scale) * k1);
+                sc[b + k] = (uint8_t)scale;
+            }
+            spread(f, n, fe);
+            for (int m = 0; m < n * 8; m++) {
+                float lo, hi;
+                elem_pair(x, kind, b * 16, m, &lo, &hi);
+                p[b * 8 + m] = (uint8_t)(modelopt_code(lo / fe[m]) | (modelopt_code(hi / fe[m]) << 4));
+            }
+        }
+    }
+}
+
 void qc_nvfp4(const void *x, int kind, int64_t b0, int64_t b1, int te, float k0, float k1, int g_zero,
               uint8_t *p, uint8_t *sc) {
-    float v[16];
-    for (int64_t b = b0; b < b1; b++) {
-        load_block(x, kind, b * 16, 16, v);
-        nvfp4_block(v, te, k0, k1, g_zero, p + b * 8, sc + b);
-    }
+    if (kind == 0) nvfp4_range(x, 0, b0, b1, te, k0, k1, g_zero, p, sc);
+    else nvfp4_range(x, 1, b0, b1, te, k0, k1, g_zero, p, sc);
 }
 
 /* max |x| over elements [i0, i1) as the fp32 bit pattern of |x| (a NaN anywhere gives a NaN's
