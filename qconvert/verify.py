@@ -456,7 +456,8 @@ class _Verifier:
                 if sha256_file(h.path) != src_want[h.path.name]:
                     self.fail("checksums", f"{h.path}: sha256 differs from the source recorded in {MANIFEST_NAME}; "
                                            "DST was converted from different weights — pass the right SRC")
-        self.ok("checksums", f"ok ({len(out_sha)} output, {n_src} source shards)")
+        note = (man.get("source") or {}).get("sha256_note")
+        self.ok("checksums", f"ok ({len(out_sha)} output, {n_src} source shards{'; source ' + note if note else ''})")
 
     # -- values -----------------------------------------------------------------------------------
     def _compare_values(self, plan: dict[str, tuple[str, list[str]]]):

@@ -32,7 +32,7 @@ from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
-from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, sha256_file
+from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, hub_cache_sha256, sha256_file
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
@@ -65,6 +65,7 @@ class ConvertOptions:
     allow_pickle: bool = False  # read .bin/.pt with torch.load(weights_only=True), via a safetensors copy
     _layout_layers: dict = field(default_factory=dict, repr=False)  # filled by build_jobs
     resume: bool = False  # continue an interrupted run from its journal (resume.py)
+    source_checksums: bool = True  # sha256 of each source shard in the manifest (free for Hub-cache files)
 
 
 @dataclass
@@ -577,7 +578,8 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 if not only and journal is not None and h.path.name in journal.inputs:
                     input_sha[h.path.name] = journal.inputs[h.path.name]
                     continue
-                with ShardReader(h) as r:
+                known = hub_cache_sha256(h.path) if opts.source_checksums else None
+                with ShardReader(h, hash_file=opts.source_checksums and known is None) as r:
                     for e, t in r.iter_tensors(only if len(only) < len(h.entries) else None):
                         with cond:
                             while inflight[0] > 0 and inflight[0] + e.nbytes > opts.queue_bytes and not stop.is_set():
@@ -592,7 +594,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                                 ev.record(side)
                             t = (t, ev)
                         read_q.put((e, t))
-                    input_sha[h.path.name] = r.sha256()
+                    input_sha[h.path.name] = known or r.sha256() or ""  # "": not recorded
                 if journal is not None:
                     journal.input_done(h.path.name, input_sha[h.path.name])
         except BaseException as ex:  # surfaced by the main loop
@@ -756,7 +758,8 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
         "dialect": dialect,
         "engines": dialects.engines_for(scheme, dialect),
         "source": {"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
-                   "sha256": input_sha},
+                   "sha256": {n: d for n, d in input_sha.items() if d},
+                   **({} if all(input_sha.values()) else {"sha256_note": "not recorded (--no-source-checksums)"})},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         "non_finite_allowed": bool(opts.allow_non_finite),
         "bf16_layers": plan.bf16_layers,

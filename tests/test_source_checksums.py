@@ -1,0 +1,103 @@
+"""Source checksums: hashed by default, read from the Hugging Face cache's blob names for free,
+skipped with --no-source-checksums (output checksums always kept, same output bytes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from qconvert.cli import main
+from qconvert.convert import pipeline
+from qconvert.convert.safetensors_io import hub_cache_sha256
+from qconvert.verify import verify
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def run(*args) -> None:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    assert r.exit_code == 0, r.output
+
+
+def manifest(d: Path) -> dict:
+    return json.loads((d / "qconvert.json").read_text())
+
+
+def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
+    run("mxfp8", demo_dense, tmp_path / "a")
+    run("mxfp8", demo_dense, tmp_path / "b", "--no-source-checksums")
+    a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
+    shards = sorted(p.name for p in demo_dense.glob("*.safetensors"))
+    assert sorted(a["source"]["sha256"]) == shards and "sha256_note" not in a["source"]
+    assert b["source"]["sha256"] == {} and "no-source-checksums" in b["source"]["sha256_note"]
+    # outputs: hashed either way, and the same bytes
+    assert b["outputs"]["sha256"] == a["outputs"]["sha256"]
+    for name, digest in b["outputs"]["sha256"].items():
+        assert sha(tmp_path / "b" / name) == digest
+    r = verify(str(demo_dense), str(tmp_path / "b"))
+    assert r.ok, r.failures
+    assert "0 source shards" in r.checks["checksums"] and "not recorded" in r.checks["checksums"]
+
+
+def _hub_cache(src: Path, cache: Path, blob_name=lambda p: sha(p)) -> Path:
+    """huggingface_hub's layout: files once under blobs/, snapshot names are relative links."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny"
+    snap, blobs = repo / "snapshots" / rev, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for p in src.iterdir():
+        if p.suffix == ".safetensors":
+            b = blobs / blob_name(p)
+            shutil.copyfile(p, b)
+            os.symlink(os.path.relpath(b, snap), snap / p.name)
+        else:
+            shutil.copyfile(p, snap / p.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeypatch):
+    snap = _hub_cache(demo_dense, tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    hashed = []
+    real_reader = pipeline.ShardReader
+
+    def reader(h, hash_file=True):
+        hashed.append((h.path.name, hash_file))
+        return real_reader(h, hash_file=hash_file)
+
+    monkeypatch.setattr(pipeline, "ShardReader", reader)
+    run("mxfp8", "acme/tiny", tmp_path / "out")
+    src = manifest(tmp_path / "out")["source"]
+    assert src["sha256"] == {p.name: sha(p) for p in snap.glob("*.safetensors")}
+    assert hashed and not any(h for _, h in hashed)  # no source byte was hashed
+
+
+def test_hub_cache_sha256_only_trusts_links_into_blobs(tmp_path):
+    (tmp_path / "src").mkdir()
+    real = tmp_path / "src" / "x.safetensors"
+    real.write_bytes(b"abc")
+    digest = hashlib.sha256(b"abc").hexdigest()
+    snap = _hub_cache(tmp_path / "src", tmp_path / "hub")
+    assert hub_cache_sha256(snap / "x.safetensors") == digest
+    assert hub_cache_sha256(real) is None  # a plain file
+    assert hub_cache_sha256(next((tmp_path / "hub").rglob("blobs")) / digest) is None  # the blob itself: not a link
+    other = tmp_path / "blobs"
+    other.mkdir()
+    (other / "not-a-digest").write_bytes(b"abc")
+    os.symlink(other / "not-a-digest", tmp_path / "y.safetensors")
+    assert hub_cache_sha256(tmp_path / "y.safetensors") is None
+    assert hub_cache_sha256(tmp_path / "missing.safetensors") is None
