@@ -109,12 +109,12 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
     wt.join()
 
 
-def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu"):
+def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu", source_checksums: bool = True):
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
     opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, force=True,
-                          progress=False, fsync=fsync)
+                          progress=False, fsync=fsync, source_checksums=source_checksums)
     convert(src, dst, scheme, opts)
 
 
@@ -182,8 +182,9 @@ def cmd_floor(src, dst, sizes, fsync):
     return _py() + ["_floor", str(src), str(dst), json.dumps(sizes)] + (["--fsync"] if fsync else [])
 
 
-def cmd_qconvert(scheme, src, dst, fsync):
-    return _py() + ["_qconvert", scheme, str(src), str(dst)] + (["--fsync"] if fsync else [])
+def cmd_qconvert(scheme, src, dst, fsync, source_checksums=True):
+    return (_py() + ["_qconvert", scheme, str(src), str(dst)] + (["--fsync"] if fsync else [])
+            + ([] if source_checksums else ["--no-source-checksums"]))
 
 
 PEER_CODE = {
@@ -265,7 +266,7 @@ def bench(a) -> dict:
         for scheme in schemes:
             dst = work / f"out-{scheme}"
             # warm-up: also fills the page cache and gives the output shard sizes for the floor
-            m = run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log)
+            m = run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log)
             if m["rc"]:
                 raise SystemExit(f"qconvert {scheme} failed (rc {m['rc']}); see {log}")
             out_sizes = _shard_sizes(dst)
@@ -277,7 +278,9 @@ def bench(a) -> dict:
                 fm = record(f"floor (read + write {_gb(bytes_out)})", "floor", scheme,
                             run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync), log=log))
                 _rm(work / "out-floor")
-                qm = record("qconvert", "qconvert", scheme, run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log))
+                label = "qconvert" + (" --no-source-checksums" if a.no_source_checksums else "")
+                qm = record(label, "qconvert", scheme,
+                            run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log))
                 _rm(dst)
                 fl.append(fm)
                 qc.append(qm)
@@ -326,7 +329,7 @@ def rss_sweep(a, work, log, record, made) -> list[dict]:
         for scheme in a.sweep_schemes.split(","):
             dst = work / f"out-sweep-{scheme}"
             m = record(f"qconvert {layers}L {len(sizes)} shard(s)", "sweep", scheme,
-                       run_measured(cmd_qconvert(scheme, src, dst, a.fsync), log=log))
+                       run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log))
             _rm(dst)
             largest = max(sizes.values())
             out.append({"layers": layers, "shards": len(sizes), "bytes_in": sum(sizes.values()), "largest_shard": largest,
@@ -346,6 +349,9 @@ def report(res: dict, a) -> str:
     L.append(f"Input: {inp['path']} ({_gb(inp['bytes'])}, {inp['shards']} shards, largest {_gb(inp['largest_shard'])}); "
              f"writes {'fsync-ed to disk' if a.fsync else 'to the page cache (no fsync: compute is exposed, not hidden behind the disk)'}.")
     L.append("")
+    if a.no_source_checksums:
+        L.append("qconvert ran with `--no-source-checksums` (source shards not hashed; output shards are).")
+        L.append("")
     L.append("| scheme | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
     L.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in res.get("rows", []):
@@ -373,7 +379,7 @@ def report(res: dict, a) -> str:
                      f"{_gib(s['rss'])} | {_gib(s['limit'])} | {s['wall']:.1f} s |")
     L.append("")
     L.append("Reproduce: `" + " ".join(shlex.quote(x) for x in ["python", "scripts/bench_convert.py"] + res["argv"][1:]) + "`")
-    L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync)[1:])}`, "
+    L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync, not a.no_source_checksums)[1:])}`, "
              f"floor `{' '.join(shlex.quote(x) for x in cmd_floor('SRC', 'DST', {'...': 0}, a.fsync)[1:])}`)")
     return "\n".join(L)
 
@@ -385,7 +391,7 @@ def main(argv=None):
         return
     if argv and argv[0] == "_qconvert":
         dev = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
-        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev)
+        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev, "--no-source-checksums" not in argv)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/qconvert-bench", help="scratch directory (synthetic input and outputs)")
@@ -396,6 +402,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="floor/qconvert pairs per scheme")
     ap.add_argument("--peers", default="", help="comma list: llmc (llm-compressor model_free_ptq), autoround")
     ap.add_argument("--peer-python", default="/work/venv-peers/bin/python", help="interpreter that has the peers installed")
+    ap.add_argument("--no-source-checksums", action="store_true",
+                    help="run qconvert with --no-source-checksums (source shards not hashed; outputs still are)")
     ap.add_argument("--fsync", action="store_true", help="fsync outputs (qconvert's CLI default); then the disk dominates")
     ap.add_argument("--rss-sweep", action="store_true", help="peak RSS: 1 shard vs many, 2x vs 4x layers")
     ap.add_argument("--sweep-layers", type=int, default=2, help="smaller layer count of the sweep (doubled for the other)")
