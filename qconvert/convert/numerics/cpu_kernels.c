@@ -26,31 +26,31 @@ static inline uint32_t umin(uint32_t a, uint32_t b) { return sel((int32_t)a < (i
  * elements themselves (16-element NVFP4 blocks are two AVX2 vectors). */
 #define G 16
 
-/* max |x| of each of the n <= G blocks of bs elements starting at block b, as fp32 bit patterns:
- * non-negative floats order like their bits and a NaN's bits exceed inf's, so a NaN anywhere
- * gives a NaN, as torch's amax does. BF16 is compared as 16-bit patterns, its fp32 bits' high half. */
-static inline void group_absmax(const void *x, int kind, int64_t b, int n, int bs, uint32_t *restrict am) {
+/* max |x| over elements [i0, i1) as the fp32 bit pattern of |x|: non-negative floats order like
+ * their bits and a NaN's bits exceed inf's, so a NaN anywhere gives a NaN's bits, as torch's amax
+ * gives NaN. BF16 is compared as 16-bit patterns, its fp32 bits' high half. */
+static inline uint32_t absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
     if (kind == 0) {
-        const uint16_t *h = (const uint16_t *)x + b * bs;
-        for (int k = 0; k < n; k++) {
-            uint16_t m = 0;
-            for (int i = 0; i < bs; i++) {
-                uint16_t a = h[k * bs + i] & 0x7FFFu;
-                m = a > m ? a : m;
-            }
-            am[k] = (uint32_t)m << 16;
+        const uint16_t *h = (const uint16_t *)x;
+        uint16_t m = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            uint16_t a = h[i] & 0x7FFFu;
+            m = a > m ? a : m;
         }
-    } else {
-        const uint32_t *w = (const uint32_t *)x + b * bs;
-        for (int k = 0; k < n; k++) {
-            uint32_t m = 0;
-            for (int i = 0; i < bs; i++) {
-                uint32_t a = w[k * bs + i] & 0x7FFFFFFFu;
-                m = a > m ? a : m;
-            }
-            am[k] = m;
-        }
+        return (uint32_t)m << 16;
     }
+    const uint32_t *w = (const uint32_t *)x;
+    uint32_t m = 0;
+    for (int64_t i = i0; i < i1; i++) {
+        uint32_t a = w[i] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* absmax_bits of each of the n <= G blocks of bs elements starting at block b */
+static inline void group_absmax(const void *x, int kind, int64_t b, int n, int bs, uint32_t *restrict am) {
+    for (int k = 0; k < n; k++) am[k] = absmax_bits(x, kind, (b + k) * bs, (b + k + 1) * bs);
 }
 
 /* element i of block k of a group, as fp32 */
@@ -209,24 +209,7 @@ void qc_nvfp4(const void *x, int kind, int64_t b0, int64_t b1, int te, float k0,
     else nvfp4_range(x, 1, b0, b1, te, k0, k1, g_zero, p, sc);
 }
 
-/* max |x| over elements [i0, i1) as the fp32 bit pattern of |x| (a NaN anywhere gives a NaN's
- * bits, which exceed inf's): the global amax of NVFP4 and the finiteness check of kept tensors. */
+/* absmax_bits for Python: the global amax of NVFP4 and the finiteness check of kept tensors */
 uint32_t qc_absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
-    uint32_t m = 0;
-    if (kind == 0) {
-        const uint16_t *h = (const uint16_t *)x;
-        uint16_t m16 = 0;
-        for (int64_t i = i0; i < i1; i++) {
-            uint16_t a = h[i] & 0x7FFFu;
-            m16 = a > m16 ? a : m16;
-        }
-        m = (uint32_t)m16 << 16;
-    } else {
-        const uint32_t *w = (const uint32_t *)x;
-        for (int64_t i = i0; i < i1; i++) {
-            uint32_t a = w[i] & 0x7FFFFFFFu;
-            m = a > m ? a : m;
-        }
-    }
-    return m;
+    return absmax_bits(x, kind, i0, i1);
 }
