@@ -46,7 +46,7 @@ def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
     assert "0 source shards" in r.checks["checksums"] and "not recorded" in r.checks["checksums"]
 
 
-def _hub_cache(src: Path, cache: Path, blob_name=lambda p: sha(p)) -> Path:
+def _hub_cache(src: Path, cache: Path) -> Path:
     """huggingface_hub's layout: files once under blobs/, snapshot names are relative links."""
     rev = "0123456789abcdef0123456789abcdef01234567"
     repo = cache / "models--acme--tiny"
@@ -55,7 +55,7 @@ def _hub_cache(src: Path, cache: Path, blob_name=lambda p: sha(p)) -> Path:
     blobs.mkdir()
     for p in src.iterdir():
         if p.suffix == ".safetensors":
-            b = blobs / blob_name(p)
+            b = blobs / sha(p)
             shutil.copyfile(p, b)
             os.symlink(os.path.relpath(b, snap), snap / p.name)
         else:
