@@ -18,6 +18,8 @@ import queue
 import shutil
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -124,13 +126,26 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
     else one min/max pass without a |t| copy."""
     if t.device.type == "cpu" and t.numel():
         if cpu_kernels.usable(t):
-            return cpu_kernels.abs_max(t, CPU_WORKERS)
+            return cpu_kernels.abs_max(t, _workers())
     lo, hi = torch.aminmax(t)
     return torch.maximum(lo.abs(), hi.abs())
 
 
 #: Worker threads for CPU quantization (all cores; the reader and writer threads mostly wait on I/O).
 CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+#: CPU jobs whose sources are at most this many bytes run whole on job threads, one per core, each
+#: quantizing single-threaded; larger ones run on the calling thread split over all cores. A 3 MB
+#: expert split over the cores spends about as long in Python dispatch as in the kernel, and with
+#: every dispatch on one thread the cores wait (on 2 cores a conversion kept only 1.4 of them busy).
+SMALL_JOB_BYTES = 64 << 20
+
+_tls = threading.local()
+
+
+def _workers() -> int:
+    """Quantizer threads for the current thread's job: all cores, or one on a job thread."""
+    return getattr(_tls, "workers", CPU_WORKERS)
 
 
 #: CUDA quantizer cores: "triton" (one-pass kernels, the default where Triton imports), "eager"
@@ -201,7 +216,7 @@ def _mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
         x = src[tp.name]
         if device != "cpu":
             x = x.to(device, non_blocking=True)
-        q, s = mxfp8_quantize(x, workers=CPU_WORKERS, blocks_fn=blocks_fn)
+        q, s = mxfp8_quantize(x, workers=_workers(), blocks_fn=blocks_fn)
         if check_finite and bool((s == 255).any()):
             raise CheckpointError(f"tensor {tp.name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
@@ -225,7 +240,7 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
             raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         result = {}
         for n, x in xs.items():
-            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe, workers=CPU_WORKERS,
+            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe, workers=_workers(),
                                                     blocks_fn=blocks_fn)
             outs = outs_of[n]
             mod = n[: -len(".weight")]
@@ -636,6 +651,29 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     bar = _Progress(bytes_in, opts.progress, "convert")
     bar.update(skipped_bytes)
     waiting: dict[str, torch.Tensor] = {}
+    # CPU: small jobs run on job threads, several at once (SMALL_JOB_BYTES); their outputs still
+    # reach the writer in job order, so output shards are hashed while written.
+    n_job = min(CPU_WORKERS, 32) if opts.device == "cpu" and CPU_WORKERS > 1 else 0
+    pool = ThreadPoolExecutor(n_job, thread_name_prefix="qconvert-job",
+                              initializer=lambda: setattr(_tls, "workers", 1)) if n_job else None
+    pending: deque = deque()  # (future of outputs, job, input bytes to release, source bytes), in job order
+
+    def emit():
+        fut, j, release, nsrc = pending.popleft()
+        out = fut.result()
+        items = [(o.name, out[o.name]) for o in j.outputs
+                 if writers[out_shard[o.name]] is not None]  # resumed: shard already complete
+        items.append((None, release))  # released by the writer once the outputs are written
+        for item in items:
+            while True:
+                try:
+                    write_q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    if errors:
+                        raise errors[0]
+        bar.update(nsrc)
+
     try:
         while True:
             item = read_q.get()
@@ -652,24 +690,22 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             waiting[e.name] = t
             if all(s in waiting for s in j.sources):
                 src = {s: waiting.pop(s) for s in j.sources}
-                out = j.fn(src)
-                items = [(o.name, out[o.name]) for o in j.outputs
-                         if writers[out_shard[o.name]] is not None]  # resumed: shard already complete
-                items.append((None, e.nbytes))  # released by the writer once the outputs are written
-                for item in items:
-                    while True:
-                        try:
-                            write_q.put(item, timeout=0.2)
-                            break
-                        except queue.Full:
-                            if errors:
-                                raise errors[0]
-                bar.update(sum(x.numel() * x.element_size() for x in src.values()))
-                del src, out, items
+                nsrc = sum(x.numel() * x.element_size() for x in src.values())
+                if pool is not None and nsrc <= SMALL_JOB_BYTES:
+                    fut = pool.submit(j.fn, src)
+                else:
+                    fut = Future()
+                    fut.set_result(j.fn(src))
+                pending.append((fut, j, e.nbytes, nsrc))
+                del src
+                while pending and (pending[0][0].done() or len(pending) > 2 * n_job):
+                    emit()
             else:  # parked until its fused partners arrive: not counted, so partners can be read
                 with cond:
                     inflight[0] -= e.nbytes
                     cond.notify()
+        while pending and not errors:
+            emit()
         if errors:
             raise errors[0]
         if waiting:
@@ -680,6 +716,9 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             cond.notify_all()
         raise
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        pending.clear()
         write_q.put(None)
         wt.join()
         rt.join(timeout=5)

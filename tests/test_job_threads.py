@@ -1,0 +1,62 @@
+"""The CPU pipeline runs small jobs on job threads and large ones on the calling thread; every mix
+gives the same output files, and a failing job still fails the conversion with its message."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from qconvert.convert import pipeline
+from qconvert.convert.pipeline import ConvertOptions, convert
+from qconvert.convert.plan import PlanOptions
+from qconvert.errors import CheckpointError
+
+
+def digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
+            if p.name != "qconvert.json"}
+
+
+def run(src, dst, scheme, monkeypatch, small_bytes, workers) -> dict[str, str]:
+    monkeypatch.setattr(pipeline, "SMALL_JOB_BYTES", small_bytes)
+    monkeypatch.setattr(pipeline, "CPU_WORKERS", workers)
+
+    def rehash(path):  # the writer re-reads a shard only if its tensors arrived out of order
+        raise AssertionError(f"{path}: outputs reached the writer out of order")
+
+    monkeypatch.setattr(pipeline, "sha256_file", rehash)
+    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1),
+                                                  progress=False, fsync=False))
+    man = json.loads((dst / "qconvert.json").read_text())
+    assert man["outputs"]["sha256"] == {k: v for k, v in digests(dst).items() if k.endswith(".safetensors")}
+    return digests(dst)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_every_mix_of_job_threads_writes_the_same_bytes(demo_moe, tmp_path, monkeypatch, scheme):
+    base = run(demo_moe, tmp_path / "one", scheme, monkeypatch, 1 << 40, 1)  # no job threads at all
+    # demo tensors: experts 64 KB, attention 128 KB, embeddings 256 KB; 100 KB mixes both paths
+    for i, (small, workers) in enumerate([(1 << 40, 2), (0, 2), (1 << 40, 3), (100_000, 3), (100_000, 2)]):
+        assert run(demo_moe, tmp_path / f"mix{i}", scheme, monkeypatch, small, workers) == base, (small, workers)
+
+
+def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "CPU_WORKERS", 2)
+    real = pipeline._mxfp8_job
+
+    def job(tp, *a, **k):
+        j = real(tp, *a, **k)
+        if tp.name.endswith("layers.1.mlp.experts.3.up_proj.weight"):
+            def boom(src):
+                raise CheckpointError(f"tensor {tp.name!r}: injected failure")
+            j.fn = boom
+        return j
+
+    monkeypatch.setattr(pipeline, "_mxfp8_job", job)
+    dst = tmp_path / "never"
+    with pytest.raises(CheckpointError, match="experts.3.up_proj.weight'.*injected failure"):
+        convert(str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False))
+    assert not dst.exists()
