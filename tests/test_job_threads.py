@@ -60,3 +60,35 @@ def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, 
     with pytest.raises(CheckpointError, match="experts.3.up_proj.weight'.*injected failure"):
         convert(str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False))
     assert not dst.exists()
+
+
+def test_a_full_read_budget_does_not_stall_job_threads(demo_moe, tmp_path, monkeypatch):
+    """With the read-ahead budget full the reader waits for the writer, which waits for the calling
+    thread to hand it finished jobs: a job thread finishing must wake the calling thread. (It once
+    did not, and a conversion hung for good once the budget filled.)"""
+    import threading
+    import time
+
+    monkeypatch.setattr(pipeline, "CPU_WORKERS", 2)
+    monkeypatch.setattr(pipeline, "SMALL_JOB_BYTES", 1 << 40)
+    real = pipeline._mxfp8_job
+
+    def job(*a, **k):  # slow enough that no job is finished when its submitter first looks
+        j = real(*a, **k)
+        fn = j.fn
+        j.fn = lambda src: (time.sleep(0.02), fn(src))[1]
+        return j
+
+    monkeypatch.setattr(pipeline, "_mxfp8_job", job)
+    dst = tmp_path / "q"
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(convert(
+        str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False, queue_bytes=1))), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "conversion stalled with the read budget full"
+    assert out and out[0].n_quantized > 0
+    ref = tmp_path / "ref"
+    monkeypatch.setattr(pipeline, "_mxfp8_job", real)
+    convert(str(demo_moe), ref, "mxfp8", ConvertOptions(progress=False, fsync=False))
+    assert digests(dst) == digests(ref)

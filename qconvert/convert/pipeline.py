@@ -141,6 +141,7 @@ CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 SMALL_JOB_BYTES = 64 << 20
 
 _tls = threading.local()
+_WAKE = object()  # put on the read queue when a job thread finishes
 
 
 def _workers() -> int:
@@ -681,6 +682,10 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 break
             if errors:
                 break
+            if item is _WAKE:  # a job thread finished: write what is done, in job order
+                while pending and pending[0][0].done():
+                    emit()
+                continue
             e, t = item
             if isinstance(t, tuple):  # moved to the device by the reader on the side stream
                 t, ev = t
@@ -693,6 +698,9 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 nsrc = sum(x.numel() * x.element_size() for x in src.values())
                 if pool is not None and nsrc <= SMALL_JOB_BYTES:
                     fut = pool.submit(j.fn, src)
+                    # wakes this loop even when the reader is blocked on the memory budget, which
+                    # only the writer (fed from here) can release
+                    fut.add_done_callback(lambda _: read_q.put(_WAKE))
                 else:
                     fut = Future()
                     fut.set_result(j.fn(src))
