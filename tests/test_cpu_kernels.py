@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,31 @@ def test_nvfp4_c_equals_chain(case, recipe):
         assert int((sc[keep] != sc_ref[keep]).sum()) == 0, (name, gs)
         assert int((p[keep] != p_ref[keep]).sum()) == 0, (name, gs)
         assert torch.equal(p & 0x77, p_ref & 0x77), (name, gs)  # magnitudes everywhere: NaN -> 7
+        assert torch.equal(s2.view(torch.int32), nvfp4._scale_2(g, recipe).view(torch.int32)), (name, gs)
+
+
+def _f32_bits(v) -> int:
+    return int(np.asarray(v, dtype=np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
+    """The C kernel path takes its per-tensor factors from numpy fp32 scalars (cpu_tensor_scalars);
+    they must be the bits of the tensor ops the CUDA and chain paths use, over the whole fp32 range
+    and its edges: 0, subnormals, either side of TE's S_enc clamp (2688 / FLT_MAX), FLT_MAX, inf, NaN."""
+    clamp = np.float32(2688.0) / np.float32(np.finfo(np.float32).max)
+    gs = [0.0, 1.4e-45, 7.2e-43, 1e-38, 1e-36, float(clamp), 3e38, float(np.finfo(np.float32).max),
+          float("inf"), float("nan"), 1.0, 2688.0, 0.1, 448.0, 6.0]
+    gs += [float(np.nextafter(clamp, np.float32(d))) for d in (0, 1)]
+    gs += [float(v) for v in np.random.default_rng(0).random(200).astype(np.float32) * 10.0 ** np.arange(-20, 20, 0.2)]
+    for gv in gs:
+        g = torch.tensor(gv, dtype=torch.float32)
+        s2, k0, k1 = nvfp4.cpu_tensor_scalars(np.float32(gv), recipe)
+        ref_s2 = nvfp4._scale_2(g, recipe)
+        ref_k0, ref_k1 = nvfp4.te_tensor_scalars(g) if recipe == "te" else (nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2)
+        got = [_f32_bits(v) for v in (s2, k0, k1)]
+        want = [int(t.view(torch.int32)) & 0xFFFFFFFF for t in (ref_s2, ref_k0, ref_k1)]
+        assert got == want, (gv, got, want)
 
 
 @pytest.mark.parametrize("blocks", [1, 4095, 8192, 8193, 70001])

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import __version__
@@ -141,6 +142,7 @@ CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 SMALL_JOB_BYTES = 64 << 20
 
 _tls = threading.local()
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 _WAKE = object()  # put on the read queue when a job thread finishes
 
 
@@ -234,10 +236,16 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
 
     def fn(src):
         xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
-        amaxes = {n: _abs_max(x).float() for n, x in xs.items()}
-        g = torch.stack(list(amaxes.values())).amax()
-        if check_finite and not bool(torch.isfinite(g)):
-            bad = next(n for n, a in amaxes.items() if not bool(torch.isfinite(a)))
+        if all(cpu_kernels.usable(x) for x in xs.values()):  # fp32 scalars in numpy, not 0-dim tensors
+            amaxes = {n: cpu_kernels.abs_max_f32(x, _workers()) for n, x in xs.items()}
+            g = np.max(np.array(list(amaxes.values()), dtype=np.float32))  # NaN propagates
+            finite = bool(np.isfinite(g))
+        else:
+            amaxes = {n: _abs_max(x).float() for n, x in xs.items()}
+            g = torch.stack(list(amaxes.values())).amax()
+            finite = bool(torch.isfinite(g))
+        if check_finite and not finite:
+            bad = next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a))))
             raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
         result = {}
         for n, x in xs.items():
@@ -250,10 +258,11 @@ def _nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: 
             if dialect == "modelopt":
                 result[outs[2].name] = scale_2.cpu().reshape(())
             else:
-                # encode convention: S_enc = 2688/g, clamped at FLT_MAX as TE does (tiny g)
-                enc = torch.clamp(torch.tensor(2688.0) / g.cpu(), max=torch.finfo(torch.float32).max) \
-                    if bool(g > 0) else torch.tensor(1.0)
-                result[outs[2].name] = enc.float().reshape(1)
+                # encode convention: S_enc = 2688/g (fp32), clamped at FLT_MAX as TE does (tiny g)
+                gf = np.float32(float(g))
+                with np.errstate(all="ignore"):
+                    enc = np.minimum(np.float32(2688.0) / gf, _F32_MAX) if gf > 0 else np.float32(1.0)
+                result[outs[2].name] = torch.tensor([enc], dtype=torch.float32)
             if len(outs) > 3:
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
                 result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)

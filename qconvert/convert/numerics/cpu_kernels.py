@@ -25,6 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
@@ -147,15 +148,20 @@ def _run_chunks(fn, n: int, workers: int, min_step: int = 4096) -> list:
     return [fut.result() for fut in futures]
 
 
-def abs_max(x: torch.Tensor, workers: int) -> torch.Tensor:
-    """``max |x|`` of a contiguous BF16/FP32 CPU tensor as an fp32 0-dim tensor, exactly (NaN if any
+def abs_max_f32(x: torch.Tensor, workers: int) -> np.float32:
+    """``max |x|`` of a contiguous BF16/FP32 CPU tensor as a numpy fp32 scalar, exactly (NaN if any
     element is NaN), on ``workers`` threads."""
     lib = library()
     kind = _KIND[x.dtype]
     xp = x.data_ptr()
     bits = max(_run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20),
                default=0)
-    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).reshape(())  # bits <= 0x7FFFFFFF
+    return np.uint32(bits).view(np.float32)  # bits <= 0x7FFFFFFF: the sign is clear
+
+
+def abs_max(x: torch.Tensor, workers: int) -> torch.Tensor:
+    """:func:`abs_max_f32` as an fp32 0-dim tensor."""
+    return torch.tensor(abs_max_f32(x, workers), dtype=torch.float32)
 
 
 def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:

@@ -42,12 +42,14 @@ different fp32 operation order, so the bytes differ on a small fraction of block
 
 ``g`` is the global amax: ``max|x|`` unless the caller passes ``global_amax`` (the max over a
 fused group such as q/k/v or gate/up, §5.4; it must be >= max|x| of this tensor). All
-arithmetic is fp32 tensor arithmetic (no host round trips), so the same code gives the same
-bytes on CPU and CUDA. NaN inputs give magnitude code 7; their sign is not specified.
+arithmetic is IEEE fp32 (tensor ops, no host round trips, except the per-tensor scalars of the
+CPU C-kernel path, which are numpy fp32 scalars with the same operations), so CPU and CUDA give
+the same bytes. NaN inputs give magnitude code 7; their sign is not specified.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import cpu_kernels
@@ -60,6 +62,7 @@ NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX
 NVFP4_RECIPES = ("te", "modelopt")
 
 _FLT_MAX = torch.finfo(torch.float32).max
+_NP_FLT_MAX = np.float32(_FLT_MAX)
 _E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # E2M1 rounding on the fp32 bit pattern (integer ops, no comparison passes):
@@ -181,6 +184,26 @@ def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s_dec = _f32(1.0, dev) / s_enc
     # fl32(1/6) times S_enc first, as TE folds it (core_nvfp4.cuh), then the block amax.
     return s_enc * _f32(1.0 / E2M1_MAX, dev), s_dec
+
+
+def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float32, np.float32]:
+    """``(scale_2, k0, k1)`` for the C kernel from the global amax ``g``, as numpy fp32 scalars: the
+    IEEE fp32 operations of :func:`_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
+    fl32(1/6)``, ``k1 = S_dec``) or :func:`modelopt_tensor_divisor` (modelopt: ``k0 = 6 * scale_2``,
+    ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
+    3 MB expert's time on a 2-core machine)."""
+    f = np.float32
+    with np.errstate(all="ignore"):  # g == 0 divides by zero, as the tensor code does
+        scale_2 = g / f(NVFP4_GLOBAL_DIV)
+        if recipe != "te":
+            return scale_2, f(E2M1_MAX) * scale_2, scale_2
+        q = f(NVFP4_GLOBAL_DIV) / g
+        if g > 0 and q > _NP_FLT_MAX:
+            scale_2 = f(1.0) / _NP_FLT_MAX
+        s_enc = np.minimum(q, _NP_FLT_MAX)  # NaN propagates, as torch.minimum
+        if g == 0 or s_enc == 0:
+            s_enc = f(1.0)
+        return scale_2, s_enc * f(1.0 / E2M1_MAX), f(1.0) / s_enc
 
 
 def _block_scales_te(blk_amax: torch.Tensor, g: torch.Tensor):
@@ -357,8 +380,22 @@ def nvfp4_quantize(
     k = x.shape[-1]
     lead = x.shape[:-1]
     dev = x.device
-    g = _global_amax(x, global_amax)
     xb = x.reshape(-1, NVFP4_BLOCK)
+    if xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
+        w = torch.get_num_threads() if workers is None else workers
+        if global_amax is None:
+            g = cpu_kernels.abs_max_f32(xb, w)
+        elif torch.is_tensor(global_amax):
+            g = np.float32(global_amax.detach().float().item())
+        else:
+            g = np.float32(global_amax)
+        scale_2, k0, k1 = cpu_tensor_scalars(g, recipe)
+        packed = torch.empty(*lead, k // 2, dtype=torch.uint8)
+        scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn)
+        cpu_kernels.nvfp4_into(xb, recipe == "te", float(k0), float(k1), bool(g == 0),
+                               packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1), w)
+        return packed, scale, torch.tensor(scale_2, dtype=torch.float32)
+    g = _global_amax(x, global_amax)
     if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:
         scale_2 = _scale_2(g, recipe)
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=dev)
@@ -366,15 +403,7 @@ def nvfp4_quantize(
         if xb.shape[0]:
             pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
             if dev.type == "cpu":
-                w = torch.get_num_threads() if workers is None else workers
-                if cpu_kernels.usable(xb):  # the same bytes in one pass (cpu_kernels.c)
-                    if recipe == "te":
-                        k0, k1 = te_tensor_scalars(g)
-                    else:
-                        k0, k1 = modelopt_tensor_divisor(scale_2), scale_2
-                    cpu_kernels.nvfp4_into(xb, recipe == "te", float(k0), float(k1), bool(g == 0), pv, sv, w)
-                else:
-                    _quantize_cpu(xb, g, scale_2, recipe, pv, sv, w)
+                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, torch.get_num_threads() if workers is None else workers)
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2
