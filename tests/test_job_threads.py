@@ -12,7 +12,10 @@ import pytest
 from qconvert.convert import pipeline
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
+from qconvert.convert.safetensors_io import ShardWriter
 from qconvert.errors import CheckpointError
+
+READ_BACK = ShardWriter.read_back
 
 
 def digests(d: Path) -> dict[str, str]:
@@ -20,14 +23,15 @@ def digests(d: Path) -> dict[str, str]:
             if p.name != "qconvert.json"}
 
 
-def run(src, dst, scheme, monkeypatch, small_bytes, workers) -> dict[str, str]:
+def run(src, dst, scheme, monkeypatch, small_bytes, workers, streams=1) -> dict[str, str]:
     monkeypatch.setattr(pipeline, "SMALL_JOB_BYTES", small_bytes)
     monkeypatch.setattr(pipeline, "CPU_WORKERS", workers)
+    monkeypatch.setattr(pipeline, "READ_STREAMS", streams)
+    def read_back(self, name, chunk=0):  # the writer reads a tensor back only if it came early
+        raise AssertionError(f"{self.path}: {name} reached the writer out of order")
 
-    def rehash(path):  # the writer re-reads a shard only if its tensors arrived out of order
-        raise AssertionError(f"{path}: outputs reached the writer out of order")
-
-    monkeypatch.setattr(pipeline, "sha256_file", rehash)
+    # one input shard at a time: outputs reach the writer in file order
+    monkeypatch.setattr(ShardWriter, "read_back", read_back if streams == 1 else READ_BACK)
     convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1),
                                                   progress=False, fsync=False))
     man = json.loads((dst / "qconvert.json").read_text())
@@ -41,6 +45,10 @@ def test_every_mix_of_job_threads_writes_the_same_bytes(demo_moe, tmp_path, monk
     # demo tensors: experts 64 KB, attention 128 KB, embeddings 256 KB; 100 KB mixes both paths
     for i, (small, workers) in enumerate([(1 << 40, 2), (0, 2), (1 << 40, 3), (100_000, 3), (100_000, 2)]):
         assert run(demo_moe, tmp_path / f"mix{i}", scheme, monkeypatch, small, workers) == base, (small, workers)
+    # input shards read side by side (demo_moe has 3), with and without job threads
+    for i, (small, workers, streams) in enumerate([(1 << 40, 2, 2), (1 << 40, 2, 3), (0, 1, 3), (100_000, 3, 4)]):
+        got = run(demo_moe, tmp_path / f"streams{i}", scheme, monkeypatch, small, workers, streams)
+        assert got == base, (small, workers, streams)
 
 
 def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, monkeypatch):

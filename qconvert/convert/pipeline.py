@@ -35,7 +35,7 @@ from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
-from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, hub_cache_sha256, sha256_file
+from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, hub_cache_sha256
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
@@ -140,6 +140,9 @@ CPU_WORKERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 #: expert split over the cores spends about as long in Python dispatch as in the kernel, and with
 #: every dispatch on one thread the cores wait (on 2 cores a conversion kept only 1.4 of them busy).
 SMALL_JOB_BYTES = 64 << 20
+
+#: Input shards read at once (see reader() in _run_threads): one per 4 cores, at most 4.
+READ_STREAMS = min(4, max(1, CPU_WORKERS // 4))
 
 _tls = threading.local()
 _F32_MAX = np.float32(np.finfo(np.float32).max)
@@ -434,24 +437,31 @@ class _Progress:
 
 
 class _HashingWriter:
-    """ShardWriter plus a sha256 of the file, incremental while writes arrive in offset order."""
+    """ShardWriter plus a sha256 of the file, computed while tensors are written. A tensor that
+    arrives before its predecessors in the file (its job finished early, e.g. a fused group that
+    spans input shards read side by side) is written at once and hashed once they have arrived,
+    from the file (page cache), so no tensor is held back in memory."""
 
     def __init__(self, path: Path, specs):
         self.w = ShardWriter(path, specs)
         self._order = list(self.w.names)
         self._next = 0
+        self._early: set[str] = set()
         self._hash = BackgroundSha256(self.w.header_bytes)
-        self._in_order = True
 
     def write(self, name: str, t: torch.Tensor):
-        if self._in_order and self._order[self._next] == name:
-            self.w.write(name, t, before=self._hash.update)  # hashed while being written
-            self._next += 1
+        if self._order[self._next] != name:
+            self.w.write(name, t)
+            self._early.add(name)
             return
-        if self._in_order:  # out of order: the file is hashed from disk at close
-            self._in_order = False
-            self._hash.close()
-        self.w.write(name, t)
+        self.w.write(name, t, before=self._hash.update)  # hashed while being written
+        self._next += 1
+        while self._next < len(self._order) and self._order[self._next] in self._early:
+            early = self._order[self._next]
+            self._early.discard(early)
+            for chunk in self.w.read_back(early):
+                self._hash.update(chunk)
+            self._next += 1
 
     @property
     def complete(self):
@@ -459,9 +469,9 @@ class _HashingWriter:
 
     def close(self, fsync: bool) -> str:
         self.w.close(fsync)
-        if self._in_order and self._next == len(self._order):
-            return self._hash.hexdigest()
-        return sha256_file(self.w.path)
+        if self._next != len(self._order):
+            raise AssertionError(f"internal: {self.w.path} closed with {len(self._order) - self._next} tensors unhashed")
+        return self._hash.hexdigest()
 
 
 def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
@@ -596,35 +606,72 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     side = torch.cuda.Stream() if opts.device != "cpu" else None
     to_device = {s for j in jobs if j.device_input for s in j.sources} if side is not None else set()
 
-    def reader():
+    def finish(h, digest):  # on its own thread: waits for the shard's hash, not the reader
         try:
-            for h in ckpt.shards:
-                only = {n for n in h.entries if n in needed}
-                if not only and journal is not None and h.path.name in journal.inputs:
-                    input_sha[h.path.name] = journal.inputs[h.path.name]
+            input_sha[h.path.name] = digest() or ""  # "": not recorded
+            if journal is not None:
+                journal.input_done(h.path.name, input_sha[h.path.name])
+        except BaseException as ex:
+            errors.append(ex)
+            stop.set()
+
+    def streams():
+        """(shard, reader, tensor iterator, known digest) for each shard still to read, opened lazily."""
+        for h in ckpt.shards:
+            only = {n for n in h.entries if n in needed}
+            if not only and journal is not None and h.path.name in journal.inputs:
+                input_sha[h.path.name] = journal.inputs[h.path.name]
+                continue
+            known = hub_cache_sha256(h.path) if opts.source_checksums else None
+            r = ShardReader(h, hash_file=opts.source_checksums and known is None)
+            yield h, r, r.iter_tensors(only if len(only) < len(h.entries) else None), known
+
+    def reader():
+        # READ_STREAMS shards are read at once, a tensor from each in turn, so that as many
+        # sha256 streams (inputs and outputs: one digest cannot be split over cores) run side by side.
+        active: deque = deque()
+        finishers: list[threading.Thread] = []
+        todo = streams()
+        try:
+            while True:
+                while len(active) < READ_STREAMS:
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    active.append(nxt)
+                if not active:
+                    break
+                h, r, it, known = active.popleft()
+                item = next(it, None)
+                if item is None:  # shard read: its digest is finished on another thread
+                    digest = (lambda k=known: k) if known else r.digest_later()
+                    r.close_file()
+                    ft = threading.Thread(target=finish, args=(h, digest), name="qconvert-input-sha", daemon=True)
+                    ft.start()
+                    finishers.append(ft)
                     continue
-                known = hub_cache_sha256(h.path) if opts.source_checksums else None
-                with ShardReader(h, hash_file=opts.source_checksums and known is None) as r:
-                    for e, t in r.iter_tensors(only if len(only) < len(h.entries) else None):
-                        with cond:
-                            while inflight[0] > 0 and inflight[0] + e.nbytes > opts.queue_bytes and not stop.is_set():
-                                cond.wait(0.2)
-                            if stop.is_set():
-                                return
-                            inflight[0] += e.nbytes
-                        if e.name in to_device:
-                            with torch.cuda.stream(side):
-                                t = t.to(opts.device, non_blocking=True)
-                                ev = torch.cuda.Event()
-                                ev.record(side)
-                            t = (t, ev)
-                        read_q.put((e, t))
-                    input_sha[h.path.name] = known or r.sha256() or ""  # "": not recorded
-                if journal is not None:
-                    journal.input_done(h.path.name, input_sha[h.path.name])
+                active.append((h, r, it, known))
+                e, t = item
+                with cond:
+                    while inflight[0] > 0 and inflight[0] + e.nbytes > opts.queue_bytes and not stop.is_set():
+                        cond.wait(0.2)
+                    if stop.is_set():
+                        return
+                    inflight[0] += e.nbytes
+                if e.name in to_device:
+                    with torch.cuda.stream(side):
+                        t = t.to(opts.device, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(side)
+                    t = (t, ev)
+                read_q.put((e, t))
+            for ft in finishers:
+                ft.join()
         except BaseException as ex:  # surfaced by the main loop
             errors.append(ex)
         finally:
+            for _, r, _, _ in active:
+                r.close()
             read_q.put(None)
 
     output_sha: dict[str, str] = {}
@@ -736,7 +783,12 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         pending.clear()
-        write_q.put(None)
+        while wt.is_alive():  # a writer that failed leaves the queue as it was: do not wait on it
+            try:
+                write_q.put(None, timeout=0.2)
+                break
+            except queue.Full:
+                pass
         wt.join()
         rt.join(timeout=5)
         bar.close()

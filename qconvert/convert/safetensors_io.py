@@ -22,6 +22,7 @@ import weakref
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -223,6 +224,18 @@ class ShardReader:
         self._hash_gap(self.header.file_size)
         return self._hash.hexdigest()
 
+    def digest_later(self) -> Callable[[], str | None]:
+        """Hash the rest of the file now and return a function that waits for the digest (the
+        hashing thread may still be behind), so the caller can go on reading other files."""
+        if self._hash is None:
+            return lambda: None
+        self._hash_gap(self.header.file_size)
+        return self._hash.hexdigest
+
+    def close_file(self):
+        """Close the file but let the hash finish (see :meth:`digest_later`)."""
+        self._f.close()
+
 
 class _HashState:
     """What the hashing thread shares with its BackgroundSha256 (never the owner itself, so a
@@ -346,7 +359,7 @@ class ShardWriter:
         self.size = self._data_start + off
         self._pending = set(self._specs)
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # RDWR: read_back
             #: the file's first bytes (length prefix + JSON header), for callers that hash the file
             self.header_bytes = struct.pack("<Q", len(raw)) + raw
             os.pwrite(self._fd, self.header_bytes, 0)
@@ -374,6 +387,17 @@ class ShardWriter:
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write tensor {name!r} ({e.strerror}); check free space") from None
         self._pending.discard(name)
+
+    def read_back(self, name: str, chunk: int = 1 << 24):
+        """The bytes of tensor ``name`` as written, read back from the file in chunks."""
+        _, _, off, nbytes = self._specs[name]
+        pos, end = self._data_start + off, self._data_start + off + nbytes
+        while pos < end:
+            b = os.pread(self._fd, min(chunk, end - pos), pos)
+            if not b:
+                raise OutputError(f"{self.path}: tensor {name!r} cannot be read back (file truncated?)")
+            yield b
+            pos += len(b)
 
     @property
     def complete(self) -> bool:
