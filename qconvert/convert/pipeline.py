@@ -364,7 +364,7 @@ def _nbytes(o: dialects.OutTensor) -> int:
     n = 1
     for d in o.shape:
         n *= d
-    return n * torch.tensor([], dtype=o.dtype).element_size()
+    return n * o.dtype.itemsize  # (a torch.tensor([]) per output cost 16 us: 0.4 s per 8-layer model)
 
 
 def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
