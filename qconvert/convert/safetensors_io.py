@@ -219,10 +219,7 @@ class ShardReader:
             yield e, self.read(e.name)
 
     def sha256(self) -> str | None:
-        if self._hash is None:
-            return None
-        self._hash_gap(self.header.file_size)
-        return self._hash.hexdigest()
+        return self.digest_later()()
 
     def digest_later(self) -> Callable[[], str | None]:
         """Hash the rest of the file now and return a function that waits for the digest (the

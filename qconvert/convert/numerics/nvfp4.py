@@ -381,8 +381,8 @@ def nvfp4_quantize(
     lead = x.shape[:-1]
     dev = x.device
     xb = x.reshape(-1, NVFP4_BLOCK)
+    w = torch.get_num_threads() if workers is None else workers
     if xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
-        w = torch.get_num_threads() if workers is None else workers
         if global_amax is None:
             g = cpu_kernels.abs_max_f32(xb, w)
         elif torch.is_tensor(global_amax):
@@ -403,7 +403,7 @@ def nvfp4_quantize(
         if xb.shape[0]:
             pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
             if dev.type == "cpu":
-                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, torch.get_num_threads() if workers is None else workers)
+                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, w)
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2
