@@ -182,10 +182,12 @@ def mxfp8_quantize(x: torch.Tensor, workers: int | None = None, blocks_fn=None) 
 def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`mxfp8_quantize`: ``q * 2^(byte - 127)``."""
     k = q.shape[-1]
-    qb = q.reshape(*q.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK).float()
+    # float64 output: multiply in float64 (exact), since q * 2^E reaches 2^128, past fp32's range
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    qb = q.reshape(*q.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK).to(wide)
     b = scale.to(torch.int32)
     # byte 0 (2^-127) is an fp32 subnormal and 255 is NaN: handle both for foreign checkpoints.
     mult = _pow2_from_biased(b.clamp(1, 254))
     mult = torch.where(b == 0, torch.full_like(mult, 2.0**-127), mult)
-    mult = torch.where(b == 255, torch.full_like(mult, float("nan")), mult).unsqueeze(-1)
+    mult = torch.where(b == 255, torch.full_like(mult, float("nan")), mult).unsqueeze(-1).to(wide)
     return (qb * mult).reshape(q.shape).to(dtype)
