@@ -30,6 +30,22 @@ def test_kernels_are_built_where_a_compiler_exists():
     assert cpu_kernels.status() == "compiled C"
 
 
+def test_avx2_loops_are_built_on_avx2_cpus():
+    with open("/proc/cpuinfo") as f:
+        has = " avx2 " in f.read().replace("\n", " ")
+    assert cpu_kernels.avx2() == has
+
+
+@pytest.fixture(params=["vector", "portable"])
+def c_path(request, monkeypatch):
+    """Both C code paths: the AVX2 loops (where built) and the portable ones (QCONVERT_NO_AVX2)."""
+    if request.param == "portable":
+        monkeypatch.setenv("QCONVERT_NO_AVX2", "1")
+    elif not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    return request.param
+
+
 def _chain_mxfp8(x):
     xb = x.reshape(-1, 32)
     q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
@@ -48,7 +64,7 @@ def _chain_nvfp4(x, g, recipe):
 
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("case", C_CASES, ids=C_IDS)
-def test_mxfp8_c_equals_chain(case, workers):
+def test_mxfp8_c_equals_chain(case, workers, c_path):
     _, x = case
     assert cpu_kernels.usable(x.reshape(-1, 32))
     q, s = mxfp8.mxfp8_quantize(x, workers=workers)
@@ -60,7 +76,7 @@ def test_mxfp8_c_equals_chain(case, workers):
 
 @pytest.mark.parametrize("recipe", ["te", "modelopt"])
 @pytest.mark.parametrize("case", C_CASES, ids=C_IDS)
-def test_nvfp4_c_equals_chain(case, recipe):
+def test_nvfp4_c_equals_chain(case, recipe, c_path):
     name, x = case
     keep = kc.finite_rows(x, 16)
     for gs in kc.global_amaxes(name, x):

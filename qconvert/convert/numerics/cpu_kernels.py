@@ -109,6 +109,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.qc_nvfp4.restype = None
     lib.qc_absmax_bits.argtypes = [p, i, i64, i64]
     lib.qc_absmax_bits.restype = ctypes.c_uint32
+    lib.qc_avx2.argtypes = []
+    lib.qc_avx2.restype = ctypes.c_int
     return lib, ""
 
 
@@ -129,6 +131,14 @@ def status() -> str:
     """"compiled C" or why the torch chains are used on CPU."""
     why = unavailable_reason()
     return "compiled C" if why is None else f"torch op chains ({why})"
+
+
+def avx2() -> bool:
+    """True where the AVX2 loops for BF16 MXFP8 and NVFP4 (TE recipe) are compiled in. They run
+    unless ``QCONVERT_NO_AVX2`` is set (read at each call), which gives the portable loops: same
+    bytes, slower (tests run both)."""
+    lib = library()
+    return lib is not None and bool(lib.qc_avx2())
 
 
 def usable(x: torch.Tensor) -> bool:
