@@ -28,11 +28,13 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs have no use fo
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-#: Quantization blocks and warps per Triton program (from a sweep on an H200, 2026-12-02).
+#: Quantization blocks and warps per Triton program (from sweeps on an H200: MXFP8 2026-12-02;
+#: NVFP4 2026-12-03, fraction of copy bandwidth te / modelopt: 64x1 0.80 / 0.73, 128x2 0.79 / 0.70,
+#: 256x4 0.79 / 0.68).
 MXFP8_PROGRAM_BLOCKS = 128
 MXFP8_WARPS = 4
-NVFP4_PROGRAM_BLOCKS = 128
-NVFP4_WARPS = 2
+NVFP4_PROGRAM_BLOCKS = 64
+NVFP4_WARPS = 1
 
 
 def available(device) -> bool:
@@ -165,9 +167,29 @@ if triton is not None:
             s = tl.where((s == 0.0) | g_zero, 1.0, s)
             sc = _clamp_nan(s, 0.001953125, 448.0).to(tl.float8e4nv)  # [2^-9, 448]
             div = tl.where(g_zero, 1.0, sc.to(tl.float32) * scale_2)
-            ve = tl.math.div_rn(xe, div[:, None])
-            vo = tl.math.div_rn(xo, div[:, None])
-            sign = tl.where(ve < 0.0, 8, 0) | tl.where(vo < 0.0, 0x80, 0)  # ModelOpt: v < 0
+            # ModelOpt divides every element: v = RN(x / div). div.rn.f32 costs a reciprocal on the
+            # special-function unit (a quarter of the FMA lanes) per element; instead one reciprocal
+            # per block and Markstein's correction: with r = RN(1 / div) and q = RN(x * r) within an
+            # ulp of x / div, the residual x - q * div is exact (an fma) and RN(q + residual * r) is
+            # the correctly rounded quotient, barring underflow and overflow. With every divisor of
+            # the program in [2^-60, 2^16] neither can touch a quotient of 2^-3 or more (below that
+            # the E2M1 code is 0 whatever the last bits), and no nonzero BF16 x (>= 2^-133) has a
+            # quotient that rounds to zero (> 2^-150), so ModelOpt's sign (v < 0) is x < 0.
+            # Other programs (a global amax above ~4e5 or subnormal, NaN blocks) divide each element.
+            # scripts/gpu_division_check.py checks this against div_rn on 2^20 divisors x every BF16.
+            safe = tl.where((div >= 8.673617379884035e-19) & (div <= 65536.0), 1, 0)
+            if tl.min(safe, axis=0) == 1:
+                r = tl.math.div_rn(1.0, div)[:, None]
+                d = div[:, None]
+                qe = xe * r
+                qo = xo * r
+                ve = tl.fma(tl.fma(-qe, d, xe), r, qe)
+                vo = tl.fma(tl.fma(-qo, d, xo), r, qo)
+                sign = tl.where(xe < 0.0, 8, 0) | tl.where(xo < 0.0, 0x80, 0)
+            else:
+                ve = tl.math.div_rn(xe, div[:, None])
+                vo = tl.math.div_rn(xo, div[:, None])
+                sign = tl.where(ve < 0.0, 8, 0) | tl.where(vo < 0.0, 0x80, 0)  # ModelOpt: v < 0
         byte = _e2m1_magnitude(ve) | (_e2m1_magnitude(vo) << 4) | sign  # element 2j in the low nibble
         tl.store(packed_ptr + rows[:, None] * 8 + pairs[None, :], byte.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, sc, mask=rows < n_blocks)
