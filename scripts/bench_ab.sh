@@ -19,10 +19,13 @@ for round in $(seq "$ROUNDS"); do for s in ${SCHEMES:-mxfp8 nvfp4}; do
     rm -rf "$W/out-$rev"
     ( cd "$W/tree-$rev" && PYTHONPATH=. /usr/bin/time -f "$round $s $rev wall %e s cpu %U+%S s" \
       python scripts/bench_convert.py _qconvert "$s" "$SRC" "$W/out-$rev" ${QC_ARGS:-} ) 2>&1 | tail -1
+    sizes=$(python3 -c "import json,os,sys;d=sys.argv[1];print(json.dumps({f:os.path.getsize(os.path.join(d,f)) for f in os.listdir(d) if f.endswith('.safetensors')}))" "$W/out-$rev")
+    # each output leaves the page cache before the next run: on a small machine a previous run's
+    # output would otherwise push the next one into page reclaim (system time charged to it)
+    rm -rf "$W/out-$rev"
   done
-  sizes=$(python3 -c "import json,os,sys;d=sys.argv[1];print(json.dumps({f:os.path.getsize(os.path.join(d,f)) for f in os.listdir(d) if f.endswith('.safetensors')}))" "$W/out-$last")
   rm -rf "$W/floor"
   ( cd "$W/tree-$last" && PYTHONPATH=. /usr/bin/time -f "$round $s floor wall %e s cpu %U+%S s" \
     python scripts/bench_convert.py _floor "$SRC" "$W/floor" "$sizes" ) 2>&1 | tail -1
-  for rev in "$@"; do rm -rf "$W/out-$rev"; done; rm -rf "$W/floor"
+  rm -rf "$W/floor"
 done; done
