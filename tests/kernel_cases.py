@@ -39,10 +39,31 @@ def cases():
     adv[0, :8] = -0.0
     out.append(("adversarial-bf16", adv.bfloat16()))
     out.append(("adversarial-fp32", adv))
+    out.append(("division-ties-bf16", _division_ties()))
     out.append(("zeros", torch.zeros(4, 64).bfloat16()))
     out.append(("random-fp16", (torch.randn(257, 64, generator=g) * 30).half()))
     out.append(("random-fp32-wide", torch.randn(129, 64, generator=g) * torch.logspace(-30, 30, 129).unsqueeze(1)))
     return out
+
+
+def _division_ties() -> torch.Tensor:
+    """NVFP4 blocks whose quotients x / (block scale * scale_2) are exactly E2M1 ties, or one BF16
+    ulp either side, with block scales that are not powers of two (e4m3 mantissas 1..7). Built for
+    a global amax of 2688 (scale_2 = 1); any 2688 * 2^j scales block scales and quotients alike,
+    so the ties stay exact. A reciprocal-multiply in place of ModelOpt's division rounds a quarter
+    of these quotients differently (the ModelOpt Triton and AVX2 paths correct it)."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    rows = []
+    for e in range(-6, 8):
+        for m in range(1, 8):
+            sc = (1 + m / 8) * 2.0 ** e
+            exact = torch.cat([torch.tensor([6.0 * sc]), ties * sc, -ties * sc, torch.zeros(1)]).bfloat16()
+            bits = exact.view(torch.int16)
+            up, down = exact.clone(), exact.clone()
+            up.view(torch.int16)[1:15] = bits[1:15] + 1  # one ulp away from zero
+            down.view(torch.int16)[1:15] = bits[1:15] - 1  # one ulp towards zero
+            rows.append(torch.cat([exact, up, down, -exact]))
+    return torch.stack(rows)
 
 
 CASES = cases()
@@ -63,4 +84,6 @@ def global_amaxes(name: str, x: torch.Tensor) -> list:
     finite = x[torch.isfinite(x)].float().abs()
     gmax = float(finite.max()) if finite.numel() else 0.0
     own = [] if name.endswith("-nan") else [None]
+    if name.startswith("division-ties"):
+        return own + [2688.0 * 2.0 ** j for j in (-8, -3, 0, 3, 8)] + [2688.0 * 3, 7.2e-43]
     return own + [gmax * 4, 1e-38, 3e38, 7.2e-43] + [2.0 ** e for e in range(-140, 128, 17)]

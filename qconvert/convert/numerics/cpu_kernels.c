@@ -358,12 +358,75 @@ static inline __attribute__((always_inline)) void nvfp4_range(const void *x, con
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* NVFP4, ModelOpt recipe, BF16: v = RN(x / d) per element without a division per element: one
+ * reciprocal r = RN(1 / d) per block, q = RN(x * r) and Markstein's correction
+ * v = fma(fma(-q, d, x), r, q), the correctly rounded quotient barring underflow and overflow. For
+ * groups whose 8 divisors all lie in [2^-60, 2^16] neither can touch a quotient of 2^-3 or more
+ * (below which the E2M1 code is 0), and no nonzero BF16 x has a quotient that rounds to zero, so
+ * ModelOpt's sign (v < 0) is x < 0. Other groups run the portable loop. The same arithmetic as the
+ * ModelOpt Triton kernel, checked against IEEE division by scripts/gpu_division_check.py. */
+static void nvfp4_modelopt_bf16_avx2(const uint16_t *x, int64_t b0, int64_t b1, float k0, float k1, int g_zero,
+                                     uint8_t *p, uint8_t *sc) {
+    const __m256 lo = _mm256_set1_ps(8.673617379884035e-19f), hi = _mm256_set1_ps(65536.0f);
+    const __m256 gz = _mm256_castsi256_ps(_mm256_set1_epi32(g_zero ? -1 : 0));
+    for (int64_t b = b0; b + 8 <= b1; b += 8) {
+        const __m256i *src = (const __m256i *)(x + b * 16);
+        __m256i w[8], a[8], m[8];
+        for (int k = 0; k < 8; k++) {
+            w[k] = _mm256_loadu_si256(src + k);
+            a[k] = _mm256_and_si256(w[k], _mm256_set1_epi16(0x7FFF));
+            m[k] = pair_max(a[k]);
+        }
+        __m256 s = _mm256_div_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hmax8(m), 16)), _mm256_set1_ps(k0));
+        s = _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_or_ps(_mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_EQ_OQ), gz));
+        s = _mm256_blendv_ps(s, _mm256_set1_ps(448.0f), _mm256_cmp_ps(s, _mm256_set1_ps(448.0f), _CMP_GT_OQ));
+        s = _mm256_blendv_ps(s, _mm256_set1_ps(0.001953125f), _mm256_cmp_ps(s, _mm256_set1_ps(0.001953125f), _CMP_LT_OQ));
+        __m256i scale = e4m3_mag_v(s); /* s >= 2^-9 or a NaN with the sign bit clear */
+        __m256 d = _mm256_blendv_ps(_mm256_mul_ps(e4m3_value_v(scale), _mm256_set1_ps(k1)), _mm256_set1_ps(1.0f), gz);
+        __m256 in = _mm256_and_ps(_mm256_cmp_ps(d, lo, _CMP_GE_OQ), _mm256_cmp_ps(d, hi, _CMP_LE_OQ));
+        if (_mm256_movemask_ps(in) != 0xFF) {
+            nvfp4_range(x, 0, b, b + 8, 0, k0, k1, g_zero, p, sc);
+            continue;
+        }
+        float r[8], dv[8];
+        int32_t bytes[8];
+        _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), d));
+        _mm256_storeu_ps(dv, d);
+        _mm256_storeu_si256((__m256i *)bytes, scale);
+        __m256i c[8];
+        for (int k = 0; k < 8; k++) {
+            sc[b + k] = (uint8_t)bytes[k];
+            __m256 rk = _mm256_set1_ps(r[k]), dk = _mm256_set1_ps(dv[k]);
+            __m256 xe = even_elems(a[k]), xo = odd_elems(a[k]); /* |x|: v(|x|) = |v(x)| */
+            __m256 qe = _mm256_mul_ps(xe, rk), qo = _mm256_mul_ps(xo, rk);
+            __m256 ve = _mm256_fmadd_ps(_mm256_fnmadd_ps(qe, dk, xe), rk, qe);
+            __m256 vo = _mm256_fmadd_ps(_mm256_fnmadd_ps(qo, dk, xo), rk, qo);
+            const __m256 zero = _mm256_setzero_ps();
+            __m256i sign = _mm256_or_si256(
+                _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(even_elems(w[k]), zero, _CMP_LT_OQ)), I32(8)),
+                _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(odd_elems(w[k]), zero, _CMP_LT_OQ)), I32(0x80)));
+            c[k] = _mm256_or_si256(_mm256_or_si256(e2m1_mag_v(ve), _mm256_slli_epi32(e2m1_mag_v(vo), 4)), sign);
+        }
+        store_bytes4(p + b * 8, c[0], c[1], c[2], c[3]);
+        store_bytes4(p + b * 8 + 32, c[4], c[5], c[6], c[7]);
+    }
+}
+#endif
+
 void qc_nvfp4(const void *x, int kind, int64_t b0, int64_t b1, int te, float k0, float k1, int g_zero,
               uint8_t *p, uint8_t *sc) {
 #ifdef __AVX2__
     if (kind == 0 && te && getenv("QCONVERT_NO_AVX2") == NULL) {
         int64_t full = b0 + (b1 - b0) / 8 * 8;
         nvfp4_te_bf16_avx2((const uint16_t *)x, b0, full, k0, k1, p, sc);
+        b0 = full;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (kind == 0 && !te && getenv("QCONVERT_NO_AVX2") == NULL) {
+        int64_t full = b0 + (b1 - b0) / 8 * 8;
+        nvfp4_modelopt_bf16_avx2((const uint16_t *)x, b0, full, k0, k1, g_zero, p, sc);
         b0 = full;
     }
 #endif
