@@ -75,9 +75,9 @@ def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeyp
     hashed = []
     real_reader = pipeline.ShardReader
 
-    def reader(h, hash_file=True):
+    def reader(h, hash_file=True, **kw):
         hashed.append((h.path.name, hash_file))
-        return real_reader(h, hash_file=hash_file)
+        return real_reader(h, hash_file=hash_file, **kw)
 
     monkeypatch.setattr(pipeline, "ShardReader", reader)
     run("mxfp8", "acme/tiny", tmp_path / "out")

@@ -623,7 +623,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 input_sha[h.path.name] = journal.inputs[h.path.name]
                 continue
             known = hub_cache_sha256(h.path) if opts.source_checksums else None
-            r = ShardReader(h, hash_file=opts.source_checksums and known is None)
+            r = ShardReader(h, hash_file=opts.source_checksums and known is None, mapped=True)
             yield h, r, r.iter_tensors(only if len(only) < len(h.entries) else None), known
 
     def reader():

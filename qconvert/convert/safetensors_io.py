@@ -3,7 +3,9 @@
 The reader never trusts a header: lengths, JSON types, dtypes, shapes and offsets are checked
 against the file before any tensor byte is read, so a truncated or hostile file fails with a
 one-line error that names the file and the tensor. Tensors are read with ``readinto`` into
-fresh buffers (no mmap), which keeps peak memory at the tensors in flight.
+fresh buffers, or (``ShardReader(mapped=True)``, the converter's reader) mapped one by one from
+the page cache copy-on-write, which saves a copy of every input byte; either way a tensor's
+memory goes with the tensor, so peak memory stays at the tensors in flight.
 
 The writer computes the whole header up front from (name, dtype, shape) and then accepts tensors
 in any order, writing each at its offset. A shard is complete when every tensor was written.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import queue
 import re
@@ -158,11 +161,14 @@ class ShardReader:
     :meth:`iter_tensors` (gaps and the header included), so input checksums cost no second pass.
     """
 
-    def __init__(self, header: Header, hash_file: bool = True):
+    def __init__(self, header: Header, hash_file: bool = True, mapped: bool = False):
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
         self._hash = BackgroundSha256() if hash_file else None
         self._hashed_to = 0
+        #: map each tensor instead of copying it (one mapping per tensor, released with it: callers
+        #: that keep every tensor of a large model alive would run into the kernel's map count)
+        self._mapped = mapped
 
     def close(self):
         self._f.close()
@@ -197,13 +203,33 @@ class ShardReader:
             left -= len(chunk)
         self._hashed_to = upto
 
+    def _map(self, e: TensorEntry, dtype: torch.dtype):
+        """(tensor, its bytes) backed by a private (copy-on-write) mapping of the file, or None where
+        a mapping cannot be made (the caller then reads). Pages fault in from the page cache on
+        first touch; a write to the tensor copies the page, never reaching the file."""
+        base = e.start - e.start % mmap.ALLOCATIONGRANULARITY
+        if (e.start - base) % dtype.itemsize:
+            return None
+        try:
+            mm = mmap.mmap(self._f.fileno(), e.end - base, access=mmap.ACCESS_COPY, offset=base)
+        except (OSError, ValueError):
+            return None
+        buf = memoryview(mm)[e.start - base:]
+        t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape)
+        return t, buf
+
     def read(self, name: str) -> torch.Tensor:
         e = self.header.entries[name]
         dtype, _ = DTYPES[e.dtype]
-        t = torch.empty(e.shape, dtype=dtype)
+        got = self._map(e, dtype) if self._mapped and e.nbytes else None
+        if got is not None:
+            t, buf = got
+        else:
+            t = torch.empty(e.shape, dtype=dtype)
         if e.nbytes:
-            buf = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
-            self._read_into(buf, e.start, name)
+            if got is None:
+                buf = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+                self._read_into(buf, e.start, name)
             if self._hash is not None and e.start == self._hashed_to:
                 self._hash.update(buf)
                 self._hashed_to = e.end
