@@ -5,9 +5,11 @@ Every figure is a whole process, started fresh (interpreter and torch import inc
 wall clock, with its peak resident memory read from the kernel's accounting of that process
 (``wait4``) and, for peers that fork workers, the peak sum over its process tree (polled).
 
-The I/O floor is a process that reads the same safetensors (same reader strategy: tensor by
-tensor with ``readinto``, in file order, on a reader thread) and writes the same number of
-output bytes per shard (``pwrite`` on a writer thread), with no compute at all. Floor and
+The I/O floor is a process that reads the same safetensors (same reader strategy as the
+converter: tensor by tensor, in file order, on a reader thread, each tensor mapped copy-on-write
+from the page cache; ``--floor-readinto`` copies into buffers instead, the converter's strategy
+before 2026-12-03) and writes the same number of output bytes per shard (``pwrite`` from those
+bytes on a writer thread), with no compute at all. Floor and
 qconvert runs alternate (F Q F Q ...), and each ratio is taken pair by pair, so a machine whose
 speed drifts (shared CPUs) still gives a fair ratio; the table shows the median and range.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import mmap
 import os
 import platform
 import queue
@@ -40,7 +43,8 @@ GiB = 1 << 30
 
 # ---- the floor process ---------------------------------------------------------------------------
 
-def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: int = GiB):
+def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: int = GiB,
+               mapped: bool = True):
     """Read every tensor of every shard of SRC; write len(output shard) bytes per shard to DST."""
     import torch  # the converter pays this start-up too
 
@@ -65,12 +69,17 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
                         while inflight[0] and inflight[0] + e.nbytes > queue_bytes:
                             cond.wait()
                         inflight[0] += e.nbytes
-                    t = torch.empty(e.nbytes, dtype=torch.uint8)
-                    buf = memoryview(t.numpy())
-                    f.seek(e.start)
-                    got = 0
-                    while got < e.nbytes:
-                        got += f.readinto(buf[got:])
+                    if mapped:
+                        base = e.start - e.start % mmap.ALLOCATIONGRANULARITY
+                        mm = mmap.mmap(f.fileno(), e.end - base, access=mmap.ACCESS_COPY, offset=base)
+                        buf = memoryview(mm)[e.start - base:]
+                    else:
+                        t = torch.empty(e.nbytes, dtype=torch.uint8)
+                        buf = memoryview(t.numpy())
+                        f.seek(e.start)
+                        got = 0
+                        while got < e.nbytes:
+                            got += f.readinto(buf[got:])
                     q.put(("data", buf[: int(e.nbytes * ratio)], e.nbytes))
             q.put(("close", None, 0))
         q.put(None)
@@ -178,8 +187,9 @@ def _py() -> list[str]:
     return [sys.executable, str(HERE / "bench_convert.py")]
 
 
-def cmd_floor(src, dst, sizes, fsync):
-    return _py() + ["_floor", str(src), str(dst), json.dumps(sizes)] + (["--fsync"] if fsync else [])
+def cmd_floor(src, dst, sizes, fsync, readinto=False):
+    return (_py() + ["_floor", str(src), str(dst), json.dumps(sizes)] + (["--fsync"] if fsync else [])
+            + (["--readinto"] if readinto else []))
 
 
 def cmd_qconvert(scheme, src, dst, fsync, source_checksums=True):
@@ -276,7 +286,7 @@ def bench(a) -> dict:
             reps = a.repeat_nvfp4 if scheme == "nvfp4" and a.repeat_nvfp4 else a.repeat
             for r in range(reps):
                 fm = record(f"floor (read + write {_gb(bytes_out)})", "floor", scheme,
-                            run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync), log=log))
+                            run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync, a.floor_readinto), log=log))
                 _rm(work / "out-floor")
                 label = "qconvert" + (" --no-source-checksums" if a.no_source_checksums else "")
                 qm = record(label, "qconvert", scheme,
@@ -380,14 +390,14 @@ def report(res: dict, a) -> str:
     L.append("")
     L.append("Reproduce: `" + " ".join(shlex.quote(x) for x in ["python", "scripts/bench_convert.py"] + res["argv"][1:]) + "`")
     L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync, not a.no_source_checksums)[1:])}`, "
-             f"floor `{' '.join(shlex.quote(x) for x in cmd_floor('SRC', 'DST', {'...': 0}, a.fsync)[1:])}`)")
+             f"floor `{' '.join(shlex.quote(x) for x in cmd_floor('SRC', 'DST', {'...': 0}, a.fsync, a.floor_readinto)[1:])}`)")
     return "\n".join(L)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_floor":
-        floor_main(argv[1], argv[2], argv[3], "--fsync" in argv)
+        floor_main(argv[1], argv[2], argv[3], "--fsync" in argv, mapped="--readinto" not in argv)
         return
     if argv and argv[0] == "_qconvert":
         dev = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
@@ -404,6 +414,8 @@ def main(argv=None):
     ap.add_argument("--peer-python", default="/work/venv-peers/bin/python", help="interpreter that has the peers installed")
     ap.add_argument("--no-source-checksums", action="store_true",
                     help="run qconvert with --no-source-checksums (source shards not hashed; outputs still are)")
+    ap.add_argument("--floor-readinto", action="store_true",
+                    help="floor copies each tensor into a buffer (readinto) instead of mapping it")
     ap.add_argument("--fsync", action="store_true", help="fsync outputs (qconvert's CLI default); then the disk dominates")
     ap.add_argument("--rss-sweep", action="store_true", help="peak RSS: 1 shard vs many, 2x vs 4x layers")
     ap.add_argument("--sweep-layers", type=int, default=2, help="smaller layer count of the sweep (doubled for the other)")
