@@ -218,3 +218,54 @@ def test_abs_max_equals_torch(workers):
         x[1_234_567] = bad
         got = cpu_kernels.abs_max(x, workers)
         assert (torch.isnan(got) if bad != bad else got == float("inf"))
+
+
+_SELF_CHECK_RUN = """
+import sys, torch
+from pathlib import Path
+from qconvert.convert.numerics import cpu_kernels as c, nvfp4
+c._SRC = Path(sys.argv[1])
+print(c.status())
+x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+g = x.float().abs().max()
+p, sc, _ = nvfp4.nvfp4_quantize(x, global_amax=g, recipe="te", workers=1)
+xb = x.reshape(-1, 16)
+p_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
+sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
+nvfp4._quantize_cpu(xb, g, nvfp4._scale_2(g, "te"), "te", p_ref, sc_ref, 1)
+print("same" if torch.equal(p.reshape(-1, 8), p_ref) else "differ")
+"""
+
+
+def _run_mutated(tmp_path, old: str, new: str) -> list[str]:
+    src = cpu_kernels._SRC.read_text()
+    assert src.count(old) == 1, old
+    mutated = tmp_path / "cpu_kernels.c"
+    mutated.write_text(src.replace(old, new))
+    r = subprocess.run([sys.executable, "-c", _SELF_CHECK_RUN, str(mutated)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "QCONVERT_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def test_a_build_that_fails_the_self_check_is_not_used(tmp_path):
+    """A miscompiled (here: mutated) portable E2M1 rounding, in every build: no build passes the
+    self-check, the torch chains run, the bytes are right and status says why."""
+    status, verdict = _run_mutated(tmp_path, "t1 = c + 8388610.0f", "t1 = c + 8388611.0f")
+    assert status.startswith("torch op chains (") and "failed the self-check" in status, status
+    assert "NVFP4" in status
+    assert verdict == "same"
+    assert not list((tmp_path / "cache").glob("*.so"))
+    assert len(list((tmp_path / "cache").glob("*.rejected"))) == 2
+
+
+def test_a_native_build_that_fails_the_self_check_falls_back_to_the_baseline_build(tmp_path):
+    """A mutation in the AVX2 loop alone (as GCC 12's AVX-512 miscompile was in one select of it):
+    the -march=native build is rejected, the baseline build (no AVX2 loops) runs, same bytes."""
+    if not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    status, verdict = _run_mutated(tmp_path, "_mm256_set1_ps(8388610.0f)", "_mm256_set1_ps(8388611.0f)")
+    assert status.startswith("compiled C, baseline ISA (") and "-march=native" in status, status
+    assert "vector loops" in status
+    assert verdict == "same"
+    assert [p.name.endswith("-baseline.so") for p in (tmp_path / "cache").glob("*.so")] == [True]

@@ -199,6 +199,9 @@ def _slow_quantizer_note(scheme: str, device: str) -> str | None:
         why = cpu_kernels.unavailable_reason()
         if why is not None:
             return f"{scheme} quantized by the torch op chains, not the C kernels ({why}): same bytes, several times slower"
+        base = cpu_kernels.baseline_reason()
+        if base is not None:
+            return f"{scheme} quantized by C kernels built for the baseline ISA ({base}): same bytes, slower"
         return None
     if cuda_quantizer(device) == "eager" and os.environ.get("QCONVERT_CUDA_QUANTIZER") != "eager":
         return f"{scheme} quantized by the eager torch chains on {device}: Triton is not importable; same bytes, slower"

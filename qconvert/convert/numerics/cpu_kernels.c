@@ -160,7 +160,7 @@ static inline __m256 e4m3_value_v(__m256i b) { /* e4m3_value() lane by lane */
     __m256i nor = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, I32(120)), 23), _mm256_slli_epi32(m, 20));
     __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0.001953125f)));
     /* e == 0 picks sub. Written with the mask as the compare gives it: GCC 12 with AVX-512 VL+BW
-     * (-march=native on a Zen 4 host) miscompiled the same select written as blendv(sub, nor,
+     * (-march=native on an AMD VM that reports AVX-512) miscompiled the same select written as blendv(sub, nor,
      * ~(e == 0)), choosing nor for every lane (found by tests/test_cpu_kernels.py on such a host) */
     __m256i mag = _mm256_blendv_epi8(nor, sub, _mm256_cmpeq_epi32(e, I32(0)));
     mag = _mm256_blendv_epi8(mag, I32(0x7FC00000), _mm256_cmpeq_epi32(_mm256_and_si256(b, I32(0x7F)), I32(0x7F)));

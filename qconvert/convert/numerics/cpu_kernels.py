@@ -11,6 +11,12 @@ The C file is built at first use with the system C compiler (``$CC``, else ``cc`
 ``clang``) into a cache directory (``$QCONVERT_CACHE_DIR``, else ``~/.cache/qconvert``), keyed by
 the source, the compiler and the machine, and loaded with ctypes. Without a compiler, or with
 ``QCONVERT_CPU_KERNELS=0``, the torch chains run instead (same bytes, slower).
+
+A fresh build is used only after it passed a self-check against the torch chains (every finite
+BF16 pattern and wide-range FP32, MXFP8 and both NVFP4 recipes, vector and portable loops): a
+compiler that miscompiles the loops for this CPU (GCC 12 did, once, with AVX-512) must not write
+wrong bytes. A -march=native build that fails it is rebuilt for the baseline ISA; a build that
+still fails is not used, and :func:`status` says why.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ _CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fas
 _NATIVE = ["-march=native"]
 _KIND = {torch.bfloat16: 0, torch.float32: 1}
 _state: dict = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: the self-check runs the kernels through this module
 
 
 def _compiler() -> str | None:
@@ -69,7 +75,8 @@ def _cpu_id() -> bytes:
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") or (None, why not)."""
+    """(library, "") or (None, why not); (library, why) where the baseline build runs because the
+    -march=native one could not be built or failed the self-check."""
     if os.environ.get("QCONVERT_CPU_KERNELS", "1") == "0":
         return None, "disabled by QCONVERT_CPU_KERNELS=0"
     cc = _compiler()
@@ -81,27 +88,56 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc}: {e}"
     key = hashlib.sha256(src + version + " ".join(_CFLAGS + _NATIVE).encode() + _cpu_id()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not out.exists():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            for extra in (_NATIVE, []):  # a compiler without -march=native gets the baseline ISA
+    why = ""
+    for extra in (_NATIVE, []):  # the baseline ISA: a compiler without -march=native, or a failed check
+        out = _cache_dir() / f"cpu_kernels-{key}{'' if extra else '-baseline'}.so"
+        rejected = out.with_suffix(".rejected")
+        if rejected.exists():
+            why = rejected.read_text().strip()
+            continue
+        if not out.exists():
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+                os.close(fd)
                 r = subprocess.run([cc, *_CFLAGS, *extra, str(_SRC), "-o", tmp], capture_output=True, text=True,
                                    timeout=300)
-                if not r.returncode:
-                    break
-            if r.returncode:
-                os.unlink(tmp)
-                return None, f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
-            os.replace(tmp, out)  # atomic: concurrent builders each leave a complete file
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"cannot build {out}: {e}"
+                if r.returncode:
+                    os.unlink(tmp)
+                    why = f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
+                    continue
+                lib, load_why = _load(tmp)
+                if lib is None:
+                    os.unlink(tmp)
+                    return None, load_why
+                bad = _self_check(lib)
+                if bad:
+                    os.unlink(tmp)
+                    why = (f"the {' '.join(extra) or 'baseline'} build by {cc} failed the self-check against "
+                           f"the torch chains ({bad})")
+                    _write_atomic(rejected, why)
+                    continue
+                os.replace(tmp, out)  # atomic: concurrent builders each leave a complete, checked file
+                return lib, why
+            except (OSError, subprocess.SubprocessError) as e:
+                return None, f"cannot build {out}: {e}"
+        lib, load_why = _load(str(out))
+        return lib, (why if lib is not None else load_why)
+    return None, why
+
+
+def _write_atomic(path: Path, text: str):
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
     try:
-        lib = ctypes.CDLL(str(out))
+        lib = ctypes.CDLL(path)
     except OSError as e:
-        return None, f"cannot load {out}: {e}"
+        return None, f"cannot load {path}: {e}"
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.qc_mxfp8.argtypes = [p, i, i64, i64, p, p]
     lib.qc_mxfp8.restype = None
@@ -112,6 +148,65 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.qc_avx2.argtypes = []
     lib.qc_avx2.restype = ctypes.c_int
     return lib, ""
+
+
+def _self_check_inputs() -> list[tuple[str, torch.Tensor]]:
+    """Every finite BF16 pattern (sorted, so blocks of tiny values meet zero block scales, and
+    shuffled), and FP32 over the whole exponent range with subnormals and zeros."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bf = bits[torch.isfinite(bits.float())]  # 65280 values: a whole number of 32-blocks
+    g = torch.Generator().manual_seed(0)
+    shuffled = bf[torch.randperm(bf.numel(), generator=g)]
+    f32 = torch.randn(32 * 256, generator=g) * torch.exp2(torch.randint(-149, 127, (32 * 256,), generator=g).float())
+    f32[::97] = 0.0
+    return [("bf16 sorted", bf.contiguous()), ("bf16 shuffled", shuffled), ("fp32", f32)]
+
+
+def _self_check(lib: ctypes.CDLL) -> str:
+    """"" if ``lib`` gives the torch chains' bytes on :func:`_self_check_inputs`, else what differed.
+    Runs the kernels directly (the library is not installed yet), both the vector and the portable
+    loops."""
+    from . import mxfp8, nvfp4
+
+    no_avx2 = os.environ.get("QCONVERT_NO_AVX2")
+    try:
+        for path in ("vector", "portable"):
+            if path == "portable":
+                os.environ["QCONVERT_NO_AVX2"] = "1"
+            else:
+                os.environ.pop("QCONVERT_NO_AVX2", None)
+            for name, x in _self_check_inputs():
+                kind = _KIND[x.dtype]
+                xb = x.view(-1, 32)
+                q, s = torch.empty(xb.shape, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
+                lib.qc_mxfp8(xb.data_ptr(), kind, 0, xb.shape[0], q.data_ptr(), s.data_ptr())
+                q_ref = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
+                s_ref = torch.empty(xb.shape[0], dtype=torch.uint8)
+                mxfp8._quantize_cpu(xb, q_ref, s_ref, 1)
+                if not (torch.equal(q, q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
+                    return f"MXFP8, {name}, {path} loops"
+                xb = x.view(-1, 16)
+                amax = float(x.float().abs().max())
+                for recipe in ("te", "modelopt"):
+                    for gv in (amax, amax * 2.0**-40, 2688.0):
+                        g = np.float32(gv)
+                        _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
+                        pk = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
+                        sc = torch.empty(xb.shape[0], dtype=torch.uint8)
+                        lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], int(recipe == "te"), float(k0), float(k1),
+                                     int(g == 0), pk.data_ptr(), sc.data_ptr())
+                        gt = torch.tensor(g, dtype=torch.float32)
+                        pk_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
+                        sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
+                        nvfp4._quantize_cpu(xb, gt, nvfp4._scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
+                        if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
+                            return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
+    finally:
+        if no_avx2 is None:
+            os.environ.pop("QCONVERT_NO_AVX2", None)
+        else:
+            os.environ["QCONVERT_NO_AVX2"] = no_avx2
+    return ""
 
 
 def library() -> ctypes.CDLL | None:
@@ -127,10 +222,20 @@ def unavailable_reason() -> str | None:
     return None if library() is not None else _state["why"]
 
 
+def baseline_reason() -> str | None:
+    """Why the kernels run as a baseline-ISA build (no -march=native: slower loops), or None."""
+    if library() is None:
+        return None
+    return _state["why"] or None
+
+
 def status() -> str:
-    """"compiled C" or why the torch chains are used on CPU."""
+    """"compiled C" (with why, for a baseline-ISA build) or why the torch chains are used on CPU."""
     why = unavailable_reason()
-    return "compiled C" if why is None else f"torch op chains ({why})"
+    if why is not None:
+        return f"torch op chains ({why})"
+    base = baseline_reason()
+    return "compiled C" if base is None else f"compiled C, baseline ISA ({base})"
 
 
 def avx2() -> bool:
