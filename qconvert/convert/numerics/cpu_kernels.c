@@ -222,17 +222,24 @@ static void mxfp8_bf16_avx2(const uint16_t *x, int64_t b0, int64_t b1, uint8_t *
     }
 }
 
+/* NVFP4 blocks b..b+7 of BF16 x: w[k] = block k's 16 elements, a[k] = their |x| patterns;
+ * returns the 8 block amaxes as fp32 (lane k = block k) */
+static inline __m256 nvfp4_group_load(const uint16_t *x, int64_t b, __m256i w[8], __m256i a[8]) {
+    const __m256i *src = (const __m256i *)(x + b * 16);
+    __m256i m[8];
+    for (int k = 0; k < 8; k++) {
+        w[k] = _mm256_loadu_si256(src + k);
+        a[k] = _mm256_and_si256(w[k], _mm256_set1_epi16(0x7FFF));
+        m[k] = pair_max(a[k]);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(hmax8(m), 16));
+}
+
 static void nvfp4_te_bf16_avx2(const uint16_t *x, int64_t b0, int64_t b1, float k0, float k1,
                                uint8_t *p, uint8_t *sc) {
     for (int64_t b = b0; b + 8 <= b1; b += 8) {
-        const __m256i *src = (const __m256i *)(x + b * 16);
-        __m256i w[8], a[8], m[8];
-        for (int k = 0; k < 8; k++) {
-            w[k] = _mm256_loadu_si256(src + k);
-            a[k] = _mm256_and_si256(w[k], _mm256_set1_epi16(0x7FFF));
-            m[k] = pair_max(a[k]);
-        }
-        __m256 s = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hmax8(m), 16)), _mm256_set1_ps(k0));
+        __m256i w[8], a[8];
+        __m256 s = _mm256_mul_ps(nvfp4_group_load(x, b, w, a), _mm256_set1_ps(k0));
         s = _mm256_blendv_ps(s, _mm256_set1_ps(448.0f), _mm256_cmp_ps(s, _mm256_set1_ps(448.0f), _CMP_GT_OQ));
         __m256i scale = e4m3_mag_v(s); /* s >= 0 or a NaN with the sign bit clear */
         __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(e4m3_value_v(scale), _mm256_set1_ps(k1)));
@@ -374,14 +381,8 @@ static void nvfp4_modelopt_bf16_avx2(const uint16_t *x, int64_t b0, int64_t b1, 
     const __m256 lo = _mm256_set1_ps(8.673617379884035e-19f), hi = _mm256_set1_ps(65536.0f);
     const __m256 gz = _mm256_castsi256_ps(_mm256_set1_epi32(g_zero ? -1 : 0));
     for (int64_t b = b0; b + 8 <= b1; b += 8) {
-        const __m256i *src = (const __m256i *)(x + b * 16);
-        __m256i w[8], a[8], m[8];
-        for (int k = 0; k < 8; k++) {
-            w[k] = _mm256_loadu_si256(src + k);
-            a[k] = _mm256_and_si256(w[k], _mm256_set1_epi16(0x7FFF));
-            m[k] = pair_max(a[k]);
-        }
-        __m256 s = _mm256_div_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hmax8(m), 16)), _mm256_set1_ps(k0));
+        __m256i w[8], a[8];
+        __m256 s = _mm256_div_ps(nvfp4_group_load(x, b, w, a), _mm256_set1_ps(k0));
         s = _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_or_ps(_mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_EQ_OQ), gz));
         s = _mm256_blendv_ps(s, _mm256_set1_ps(448.0f), _mm256_cmp_ps(s, _mm256_set1_ps(448.0f), _CMP_GT_OQ));
         s = _mm256_blendv_ps(s, _mm256_set1_ps(0.001953125f), _mm256_cmp_ps(s, _mm256_set1_ps(0.001953125f), _CMP_LT_OQ));
