@@ -41,7 +41,7 @@ _CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fas
 _NATIVE = ["-march=native"]
 _KIND = {torch.bfloat16: 0, torch.float32: 1}
 _state: dict = {}
-_lock = threading.RLock()  # reentrant: the self-check runs the kernels through this module
+_lock = threading.Lock()
 
 
 def _compiler() -> str | None:
@@ -162,50 +162,55 @@ def _self_check_inputs() -> list[tuple[str, torch.Tensor]]:
     return [("bf16 sorted", bf.contiguous()), ("bf16 shuffled", shuffled), ("fp32", f32)]
 
 
-def _self_check(lib: ctypes.CDLL) -> str:
-    """"" if ``lib`` gives the torch chains' bytes on :func:`_self_check_inputs`, else what differed.
-    Runs the kernels directly (the library is not installed yet), both the vector and the portable
-    loops."""
-    from . import mxfp8, nvfp4
-
-    no_avx2 = os.environ.get("QCONVERT_NO_AVX2")
+def _loop_paths():
+    """Yield "vector", then "portable" with ``QCONVERT_NO_AVX2`` set (the C code reads it at each
+    call); the caller's setting is restored afterwards."""
+    saved = os.environ.get("QCONVERT_NO_AVX2")
     try:
-        for path in ("vector", "portable"):
-            if path == "portable":
-                os.environ["QCONVERT_NO_AVX2"] = "1"
-            else:
-                os.environ.pop("QCONVERT_NO_AVX2", None)
-            for name, x in _self_check_inputs():
-                kind = _KIND[x.dtype]
-                xb = x.view(-1, 32)
-                q, s = torch.empty(xb.shape, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
-                lib.qc_mxfp8(xb.data_ptr(), kind, 0, xb.shape[0], q.data_ptr(), s.data_ptr())
-                q_ref = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
-                s_ref = torch.empty(xb.shape[0], dtype=torch.uint8)
-                mxfp8._quantize_cpu(xb, q_ref, s_ref, 1)
-                if not (torch.equal(q, q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
-                    return f"MXFP8, {name}, {path} loops"
-                xb = x.view(-1, 16)
-                amax = float(x.float().abs().max())
-                for recipe in ("te", "modelopt"):
-                    for gv in (amax, amax * 2.0**-40, 2688.0):
-                        g = np.float32(gv)
-                        _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
-                        pk = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
-                        sc = torch.empty(xb.shape[0], dtype=torch.uint8)
-                        lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], int(recipe == "te"), float(k0), float(k1),
-                                     int(g == 0), pk.data_ptr(), sc.data_ptr())
-                        gt = torch.tensor(g, dtype=torch.float32)
-                        pk_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
-                        sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
-                        nvfp4._quantize_cpu(xb, gt, nvfp4._scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
-                        if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
-                            return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
+        os.environ.pop("QCONVERT_NO_AVX2", None)
+        yield "vector"
+        os.environ["QCONVERT_NO_AVX2"] = "1"
+        yield "portable"
     finally:
-        if no_avx2 is None:
+        if saved is None:
             os.environ.pop("QCONVERT_NO_AVX2", None)
         else:
-            os.environ["QCONVERT_NO_AVX2"] = no_avx2
+            os.environ["QCONVERT_NO_AVX2"] = saved
+
+
+def _self_check(lib: ctypes.CDLL) -> str:
+    """"" if ``lib`` gives the torch chains' bytes on :func:`_self_check_inputs`, else what differed.
+    Runs the kernels directly (the library is not installed yet), through both the vector and the
+    portable loops; each expected result is computed once."""
+    from . import mxfp8, nvfp4
+
+    for name, x in _self_check_inputs():
+        kind = _KIND[x.dtype]
+        xb = x.view(-1, 32)
+        q_ref = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
+        s_ref = torch.empty(xb.shape[0], dtype=torch.uint8)
+        mxfp8._quantize_cpu(xb, q_ref, s_ref, 1)
+        q, s = torch.empty(xb.shape, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
+        for path in _loop_paths():
+            lib.qc_mxfp8(xb.data_ptr(), kind, 0, xb.shape[0], q.data_ptr(), s.data_ptr())
+            if not (torch.equal(q, q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
+                return f"MXFP8, {name}, {path} loops"
+        xb = x.view(-1, 16)
+        amax = float(x.float().abs().max())
+        pk, sc = torch.empty(xb.shape[0], 8, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
+        for recipe in ("te", "modelopt"):
+            for gv in (amax, amax * 2.0**-40, 2688.0):
+                g = np.float32(gv)
+                gt = torch.tensor(g, dtype=torch.float32)
+                pk_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
+                sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
+                nvfp4._quantize_cpu(xb, gt, nvfp4._scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
+                _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
+                for path in _loop_paths():
+                    lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], int(recipe == "te"), float(k0), float(k1),
+                                 int(g == 0), pk.data_ptr(), sc.data_ptr())
+                    if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
+                        return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
     return ""
 
 
