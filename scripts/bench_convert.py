@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import mmap
 import os
 import platform
 import queue
@@ -49,7 +48,7 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
     """Read every tensor of every shard of SRC; write len(output shard) bytes per shard to DST."""
     import torch  # the converter pays this start-up too
 
-    from qconvert.convert.safetensors_io import read_header
+    from qconvert.convert.safetensors_io import ShardReader, read_header
 
     sizes = json.loads(sizes_json)
     root, out = Path(src), Path(dst)
@@ -64,23 +63,15 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
             h = read_header(p)
             ratio = sizes[p.name] / h.file_size
             q.put(("open", p.name, sizes[p.name]))
-            with open(p, "rb", buffering=0) as f:
+            # the converter's own reader (unhashed), mapping or copying each tensor in file order
+            with ShardReader(h, hash_file=False, mapped=mapped) as r:
                 for e in h.entries.values():
                     with cond:
                         while inflight[0] and inflight[0] + e.nbytes > queue_bytes:
                             cond.wait()
                         inflight[0] += e.nbytes
-                    if mapped:
-                        base = e.start - e.start % mmap.ALLOCATIONGRANULARITY
-                        mm = mmap.mmap(f.fileno(), e.end - base, access=mmap.ACCESS_COPY, offset=base)
-                        buf = memoryview(mm)[e.start - base:]
-                    else:
-                        t = torch.empty(e.nbytes, dtype=torch.uint8)
-                        buf = memoryview(t.numpy())
-                        f.seek(e.start)
-                        got = 0
-                        while got < e.nbytes:
-                            got += f.readinto(buf[got:])
+                    t = r.read(e.name)
+                    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
                     q.put(("data", buf[: int(e.nbytes * ratio)], e.nbytes))
             q.put(("close", None, 0))
         q.put(None)
