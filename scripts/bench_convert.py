@@ -110,12 +110,14 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
     wt.join()
 
 
-def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu", source_checksums: bool = True):
+def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu", source_checksums: bool = True,
+                  output_checksums: bool = True):
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
     opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, force=True,
-                          progress=False, fsync=fsync, source_checksums=source_checksums)
+                          progress=False, fsync=fsync, source_checksums=source_checksums,
+                          output_checksums=output_checksums)
     convert(src, dst, scheme, opts)
 
 
@@ -187,9 +189,13 @@ def cmd_floor(src, dst, sizes, fsync, readinto=False):
             + (["--readinto"] if readinto else []))
 
 
-def cmd_qconvert(scheme, src, dst, fsync, source_checksums=True):
-    return (_py() + ["_qconvert", scheme, str(src), str(dst)] + (["--fsync"] if fsync else [])
-            + ([] if source_checksums else ["--no-source-checksums"]))
+def checksum_flags(a) -> list[str]:
+    """qconvert's hashing options for this benchmark run (the CLI flags of the same names)."""
+    return ["--no-checksums"] if a.no_checksums else ["--no-source-checksums"] if a.no_source_checksums else []
+
+
+def cmd_qconvert(scheme, src, dst, fsync, flags=()):
+    return _py() + ["_qconvert", scheme, str(src), str(dst)] + (["--fsync"] if fsync else []) + list(flags)
 
 
 PEER_CODE = {
@@ -271,7 +277,7 @@ def bench(a) -> dict:
         for scheme in schemes:
             dst = work / f"out-{scheme}"
             # warm-up: also fills the page cache and gives the output shard sizes for the floor
-            m = run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log)
+            m = run_measured(cmd_qconvert(scheme, src, dst, a.fsync, checksum_flags(a)), log=log)
             if m["rc"]:
                 raise SystemExit(f"qconvert {scheme} failed (rc {m['rc']}); see {log}")
             out_sizes = _shard_sizes(dst)
@@ -288,9 +294,9 @@ def bench(a) -> dict:
                                                                               readinto), log=log)))
                     _rm(work / "out-floor")
                 fm = min(fms, key=lambda m: m["wall"])
-                label = "qconvert" + (" --no-source-checksums" if a.no_source_checksums else "")
+                label = " ".join(["qconvert"] + checksum_flags(a))
                 qm = record(label, "qconvert", scheme,
-                            run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log))
+                            run_measured(cmd_qconvert(scheme, src, dst, a.fsync, checksum_flags(a)), log=log))
                 _rm(dst)
                 fl.append(fm)
                 qc.append(qm)
@@ -339,7 +345,7 @@ def rss_sweep(a, work, log, record, made) -> list[dict]:
         for scheme in a.sweep_schemes.split(","):
             dst = work / f"out-sweep-{scheme}"
             m = record(f"qconvert {layers}L {len(sizes)} shard(s)", "sweep", scheme,
-                       run_measured(cmd_qconvert(scheme, src, dst, a.fsync, not a.no_source_checksums), log=log))
+                       run_measured(cmd_qconvert(scheme, src, dst, a.fsync, checksum_flags(a)), log=log))
             _rm(dst)
             largest = max(sizes.values())
             out.append({"layers": layers, "shards": len(sizes), "bytes_in": sum(sizes.values()), "largest_shard": largest,
@@ -364,7 +370,10 @@ def report(res: dict, a) -> str:
               "mapped": "Floor: input tensors mapped, as the converter reads them (`--floor mapped`).",
               "readinto": "Floor: input tensors copied into buffers (`--floor readinto`)."}[a.floor])
     L.append("")
-    if a.no_source_checksums:
+    if a.no_checksums:
+        L.append("qconvert ran with `--no-checksums` (neither source nor output shards hashed).")
+        L.append("")
+    elif a.no_source_checksums:
         L.append("qconvert ran with `--no-source-checksums` (source shards not hashed; output shards are).")
         L.append("")
     L.append("| scheme | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
@@ -394,7 +403,7 @@ def report(res: dict, a) -> str:
                      f"{_gib(s['rss'])} | {_gib(s['limit'])} | {s['wall']:.1f} s |")
     L.append("")
     L.append("Reproduce: `" + " ".join(shlex.quote(x) for x in ["python", "scripts/bench_convert.py"] + res["argv"][1:]) + "`")
-    L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync, not a.no_source_checksums)[1:])}`, "
+    L.append(f"(per process: `{' '.join(shlex.quote(x) for x in cmd_qconvert('mxfp8', 'SRC', 'DST', a.fsync, checksum_flags(a))[1:])}`, "
              f"floor `{' '.join(shlex.quote(x) for x in cmd_floor('SRC', 'DST', {'...': 0}, a.fsync)[1:])}`)")
     return "\n".join(L)
 
@@ -406,7 +415,9 @@ def main(argv=None):
         return
     if argv and argv[0] == "_qconvert":
         dev = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
-        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev, "--no-source-checksums" not in argv)
+        none = "--no-checksums" in argv
+        qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev,
+                      source_checksums=not none and "--no-source-checksums" not in argv, output_checksums=not none)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/qconvert-bench", help="scratch directory (synthetic input and outputs)")
@@ -419,6 +430,8 @@ def main(argv=None):
     ap.add_argument("--peer-python", default="/work/venv-peers/bin/python", help="interpreter that has the peers installed")
     ap.add_argument("--no-source-checksums", action="store_true",
                     help="run qconvert with --no-source-checksums (source shards not hashed; outputs still are)")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="run qconvert with --no-checksums (nothing hashed, neither source nor output shards)")
     ap.add_argument("--floor", choices=sorted(FLOOR_READS), default="best",
                     help="how the floor reads: mapped (as the converter), readinto (copies into buffers, which "
                          "overlaps reading and writing on two threads), or best: both each round, the faster counts")

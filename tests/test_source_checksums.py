@@ -1,5 +1,6 @@
 """Source checksums: hashed by default, read from the Hugging Face cache's blob names for free,
-skipped with --no-source-checksums (output checksums always kept, same output bytes)."""
+skipped with --no-source-checksums (output checksums kept, same output bytes); --no-checksums
+skips output checksums too (same shard bytes)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,45 @@ def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
     r = verify(str(demo_dense), str(tmp_path / "b"))
     assert r.ok, r.failures
     assert "0 source shards" in r.checks["checksums"] and "not recorded" in r.checks["checksums"]
+
+
+def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_path, monkeypatch):
+    run("mxfp8", demo_dense, tmp_path / "a")
+    hashed = []
+    real_sha = pipeline.BackgroundSha256
+
+    class Counting(real_sha):
+        def update(self, buf):
+            hashed.append(memoryview(buf).nbytes)
+            super().update(buf)
+    monkeypatch.setattr(pipeline, "BackgroundSha256", Counting)
+    real_reader = pipeline.ShardReader
+    reads = []
+
+    def reader(h, hash_file=True, **kw):
+        reads.append(hash_file)
+        return real_reader(h, hash_file=hash_file, **kw)
+    monkeypatch.setattr(pipeline, "ShardReader", reader)
+    run("mxfp8", demo_dense, tmp_path / "b", "--no-checksums")
+    assert hashed == [] and reads and not any(reads)  # not one byte hashed, in or out
+    a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
+    assert b["outputs"]["sha256"] == {} and "--no-checksums" in b["outputs"]["sha256_note"]
+    assert b["source"]["sha256"] == {} and "--no-checksums" in b["source"]["sha256_note"]
+    shards = sorted(a["outputs"]["sha256"])
+    assert shards == sorted(p.name for p in (tmp_path / "b").glob("*.safetensors"))
+    for name in shards:  # the same bytes as a hashed run
+        assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes()
+    monkeypatch.undo()
+    r = verify(str(demo_dense), str(tmp_path / "b"))
+    assert r.ok, r.failures
+    assert "0 output, 0 source shards" in r.checks["checksums"], r.checks["checksums"]
+    assert "output not recorded (--no-checksums)" in r.checks["checksums"]
+    # a hashed manifest still fails a shard that lost its entry (the note is what makes it optional)
+    m = manifest(tmp_path / "a")
+    del m["outputs"]["sha256"][shards[0]]
+    (tmp_path / "a" / "qconvert.json").write_text(json.dumps(m))
+    r = verify(str(demo_dense), str(tmp_path / "a"))
+    assert not r.ok and any("no sha256 for shard" in f for f in r.failures), r.failures
 
 
 def _hub_cache(src: Path, cache: Path) -> Path:

@@ -69,6 +69,7 @@ class ConvertOptions:
     _layout_layers: dict = field(default_factory=dict, repr=False)  # filled by build_jobs
     resume: bool = False  # continue an interrupted run from its journal (resume.py)
     source_checksums: bool = True  # sha256 of each source shard in the manifest (free for Hub-cache files)
+    output_checksums: bool = True  # sha256 of each output shard (manifest, verify, resume); --no-checksums
 
 
 @dataclass
@@ -445,14 +446,17 @@ class _HashingWriter:
     spans input shards read side by side) is written at once and hashed once they have arrived,
     from the file (page cache), so no tensor is held back in memory."""
 
-    def __init__(self, path: Path, specs):
+    def __init__(self, path: Path, specs, hashed: bool = True):
         self.w = ShardWriter(path, specs)
         self._order = list(self.w.names)
         self._next = 0
         self._early: set[str] = set()
-        self._hash = BackgroundSha256(self.w.header_bytes)
+        self._hash = BackgroundSha256(self.w.header_bytes) if hashed else None
 
     def write(self, name: str, t: torch.Tensor):
+        if self._hash is None:
+            self.w.write(name, t)
+            return
         if self._order[self._next] != name:
             self.w.write(name, t)
             self._early.add(name)
@@ -471,7 +475,10 @@ class _HashingWriter:
         return self.w.complete
 
     def close(self, fsync: bool) -> str:
+        """The shard's sha256, or "" (not recorded) when unhashed."""
         self.w.close(fsync)
+        if self._hash is None:
+            return ""
         if self._next != len(self._order):
             raise AssertionError(f"internal: {self.w.path} closed with {len(self._order) - self._next} tensors unhashed")
         return self._hash.hexdigest()
@@ -592,7 +599,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     # Resume: output shards the journal verified are not rewritten (writer None); only jobs with an
     # output in another shard run, and only input shards holding their sources are read.
     done = journal.done if journal is not None else set()
-    writers = [None if h.path.name in done else _HashingWriter(tmp / h.path.name, specs[i])
+    writers = [None if h.path.name in done else _HashingWriter(tmp / h.path.name, specs[i], opts.output_checksums)
                for i, h in enumerate(ckpt.shards)]
     needed = {s for j in jobs if any(writers[out_shard[o.name]] is not None for o in j.outputs) for s in j.sources}
     skipped_bytes = sum(e.nbytes for n, e in entries.items() if n not in needed)
@@ -870,12 +877,15 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
         "engines": dialects.engines_for(scheme, dialect),
         "source": {"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
                    "sha256": {n: d for n, d in input_sha.items() if d},
-                   **({} if all(input_sha.values()) else {"sha256_note": "not recorded (--no-source-checksums)"})},
+                   **({} if all(input_sha.values()) else
+                      {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
+                       else "not recorded (--no-source-checksums)"})},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         "non_finite_allowed": bool(opts.allow_non_finite),
         "bf16_layers": plan.bf16_layers,
         "exclusions": plan.exclusions,
-        "outputs": {"sha256": output_sha},
+        "outputs": {"sha256": {n: d for n, d in output_sha.items() if d},
+                    **({} if all(output_sha.values()) else {"sha256_note": "not recorded (--no-checksums)"})},
         "tensors": {},
     }
     if scheme == "mxfp8":

@@ -9,11 +9,11 @@ when everything is written. The directory holds a journal, ``.qconvert-journal.j
 * ``created``: the manifest timestamp of the first attempt, so a resumed run writes the same
   manifest (with ``SOURCE_DATE_EPOCH`` set it is that time, so separate runs are byte-identical);
 * ``inputs``: sha256 of each input shard once it was read completely;
-* ``outputs``: sha256 and size of each output shard, added only after the shard was fsynced and
-  its input's sha256 is known. The journal is replaced atomically (write, fsync, rename, fsync dir).
+* ``outputs``: sha256 ("" under ``--no-checksums``) and size of each output shard, added only
+  after the shard was fsynced and its input's sha256 is known. The journal is replaced atomically (write, fsync, rename, fsync dir).
 
 ``--resume`` checks the fingerprint against the command, re-hashes every journaled output shard and
-keeps those that match; all other files in the directory are deleted and redone. A journaled shard
+keeps those that match (under ``--no-checksums``, part of the fingerprint, those of the right size); all other files in the directory are deleted and redone. A journaled shard
 whose jobs need nothing from other shards is not read again: its input checksum comes from the
 journal. Without ``--resume`` a leftover partial directory is an error with a hint. An flock on
 ``.qconvert-lock`` keeps two processes from writing the same DST.
@@ -218,15 +218,23 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             if diff:
                 raise OutputError(f"{d}: the interrupted conversion differs from this command ({diff}); rerun it "
                                   f"with its original source and options and --resume, or delete {d} to start over")
+            unhashed = 0
             for name, rec in sorted(recorded.items()):
                 p = d / name
                 ok = (isinstance(rec, dict) and name in inputs and "/" not in name and p.is_file()
-                      and p.stat().st_size == rec.get("size") and sha256_file(p) == rec.get("sha256"))
+                      and p.stat().st_size == rec.get("size"))
+                # "": the run was started with --no-checksums (same fingerprint): kept on its size alone
+                by_size = isinstance(rec, dict) and rec.get("sha256") == ""
+                if ok and by_size:
+                    unhashed += 1
+                elif ok:
+                    ok = sha256_file(p) == rec.get("sha256")
                 if ok:
                     outputs[name] = {"sha256": rec["sha256"], "size": rec["size"]}
                 else:
-                    notes.append(f"resume: {name} failed its checksum and is redone")
-            notes.append(f"resume: {len(outputs)} of {len(ckpt.shards)} output shards verified and kept")
+                    notes.append(f"resume: {name} failed its {'size check' if by_size else 'checksum'} and is redone")
+            notes.append(f"resume: {len(outputs)} of {len(ckpt.shards)} output shards verified and kept"
+                         + (f" ({unhashed} by size only: --no-checksums)" if unhashed else ""))
         elif resume:
             notes.append("resume: no interrupted conversion found; started from the beginning")
         # Whatever is not a verified shard is rewritten: remove it so DST holds only this run's files.
