@@ -189,9 +189,24 @@ def cmd_floor(src, dst, sizes, fsync, readinto=False):
             + (["--readinto"] if readinto else []))
 
 
+VARIANTS = {"default": [], "no-source-checksums": ["--no-source-checksums"], "no-checksums": ["--no-checksums"]}
+
+
 def checksum_flags(a) -> list[str]:
-    """qconvert's hashing options for this benchmark run (the CLI flags of the same names)."""
-    return ["--no-checksums"] if a.no_checksums else ["--no-source-checksums"] if a.no_source_checksums else []
+    """qconvert's hashing options of the first (or only) variant (the CLI flags of the same names)."""
+    return variants(a)[0][1]
+
+
+def variants(a) -> list[tuple[str, list[str]]]:
+    """(name, qconvert flags) of each qconvert variant run in every round (--variants)."""
+    if a.variants:
+        names = a.variants.split(",")
+        bad = [n for n in names if n not in VARIANTS]
+        if bad:
+            raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+        return [(n, VARIANTS[n]) for n in names]
+    name = "no-checksums" if a.no_checksums else "no-source-checksums" if a.no_source_checksums else "default"
+    return [(name, VARIANTS[name])]
 
 
 def cmd_qconvert(scheme, src, dst, fsync, flags=()):
@@ -283,7 +298,8 @@ def bench(a) -> dict:
             out_sizes = _shard_sizes(dst)
             bytes_out = sum(out_sizes.values())
             _rm(dst)
-            fl, qc = [], []
+            fl = []
+            qc: dict[str, list] = {name: [] for name, _ in variants(a)}
             reps = a.repeat_nvfp4 if scheme == "nvfp4" and a.repeat_nvfp4 else a.repeat
             for r in range(reps):
                 # the floor of a round is the faster of the chosen ways of reading (see --floor)
@@ -293,20 +309,22 @@ def bench(a) -> dict:
                                       "floor", scheme, run_measured(cmd_floor(src, work / "out-floor", out_sizes, a.fsync,
                                                                               readinto), log=log)))
                     _rm(work / "out-floor")
-                fm = min(fms, key=lambda m: m["wall"])
-                label = " ".join(["qconvert"] + checksum_flags(a))
-                qm = record(label, "qconvert", scheme,
-                            run_measured(cmd_qconvert(scheme, src, dst, a.fsync, checksum_flags(a)), log=log))
-                _rm(dst)
-                fl.append(fm)
-                qc.append(qm)
-            ratios = [q["wall"] / f["wall"] for f, q in zip(fl, qc)]
-            row = {"scheme": scheme, "bytes_out": bytes_out,
-                   "floor_wall": statistics.median(f["wall"] for f in fl),
-                   "qconvert_wall": statistics.median(q["wall"] for q in qc),
-                   "ratio": ratios, "floor_rss": max(f["rss"] for f in fl), "qconvert_rss": max(q["rss"] for q in qc),
-                   "qconvert_cpu": statistics.median(q["cpu"] for q in qc), "floor_cpu": statistics.median(f["cpu"] for f in fl),
-                   "peers": {}}
+                fl.append(min(fms, key=lambda m: m["wall"]))
+                vs = variants(a)
+                for name, flags in vs[r % len(vs):] + vs[: r % len(vs)]:  # rotated: no variant always runs last
+                    qc[name].append(record(" ".join(["qconvert"] + flags), "qconvert", scheme,
+                                           run_measured(cmd_qconvert(scheme, src, dst, a.fsync, flags), log=log)))
+                    _rm(dst)
+            for name, _ in variants(a):
+                q = qc[name]
+                rows.append({"scheme": scheme, "variant": name, "bytes_out": bytes_out,
+                             "floor_wall": statistics.median(f["wall"] for f in fl),
+                             "qconvert_wall": statistics.median(m["wall"] for m in q),
+                             "ratio": [m["wall"] / f["wall"] for f, m in zip(fl, q)],
+                             "floor_rss": max(f["rss"] for f in fl), "qconvert_rss": max(m["rss"] for m in q),
+                             "qconvert_cpu": statistics.median(m["cpu"] for m in q),
+                             "floor_cpu": statistics.median(f["cpu"] for f in fl), "peers": {}})
+            row = rows[-len(variants(a))]  # peers are compared with the first variant
             for peer in peers:
                 if (peer, scheme) not in PEER_CODE:
                     row["peers"][peer] = {"note": "scheme not supported in its model-free mode"}
@@ -318,7 +336,6 @@ def bench(a) -> dict:
                 pm["bytes_out"] = sum(_shard_sizes(pdst).values()) if pdst.exists() else 0
                 _rm(pdst)
                 row["peers"][peer] = pm
-            rows.append(row)
         results["rows"] = rows
 
         if a.rss_sweep:
@@ -370,16 +387,14 @@ def report(res: dict, a) -> str:
               "mapped": "Floor: input tensors mapped, as the converter reads them (`--floor mapped`).",
               "readinto": "Floor: input tensors copied into buffers (`--floor readinto`)."}[a.floor])
     L.append("")
-    if a.no_checksums:
-        L.append("qconvert ran with `--no-checksums` (neither source nor output shards hashed).")
-        L.append("")
-    elif a.no_source_checksums:
-        L.append("qconvert ran with `--no-source-checksums` (source shards not hashed; output shards are).")
-        L.append("")
-    L.append("| scheme | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    L.append("qconvert options: default = source and output shards hashed (sha256 in the manifest); "
+             "no-source-checksums = output shards only; no-checksums = nothing hashed. "
+             "Each round runs the floor, then every variant (order rotated per round); ratios are per round.")
+    L.append("")
+    L.append("| scheme | qconvert options | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res.get("rows", []):
-        L.append(f"| {r['scheme']} | {_gb(r['bytes_out'])} | {r['floor_wall']:.2f} s | {r['qconvert_wall']:.2f} s | "
+        L.append(f"| {r['scheme']} | {r.get('variant', '')} | {_gb(r['bytes_out'])} | {r['floor_wall']:.2f} s | {r['qconvert_wall']:.2f} s | "
                  f"{_ratio_cell(r['ratio'])} | <= 1.4 | {_gib(r['floor_rss'])} | {_gib(r['qconvert_rss'])} | "
                  f"{r['qconvert_cpu']:.1f} | {r['floor_cpu']:.1f} |")
     peer_rows = [(r, p, m) for r in res.get("rows", []) for p, m in r["peers"].items()]
@@ -432,6 +447,8 @@ def main(argv=None):
                     help="run qconvert with --no-source-checksums (source shards not hashed; outputs still are)")
     ap.add_argument("--no-checksums", action="store_true",
                     help="run qconvert with --no-checksums (nothing hashed, neither source nor output shards)")
+    ap.add_argument("--variants", default="", help="comma list of qconvert variants run in every round against the "
+                    "same floor: " + ", ".join(VARIANTS) + " (overrides the two flags above)")
     ap.add_argument("--floor", choices=sorted(FLOOR_READS), default="best",
                     help="how the floor reads: mapped (as the converter), readinto (copies into buffers, which "
                          "overlaps reading and writing on two threads), or best: both each round, the faster counts")
