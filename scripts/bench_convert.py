@@ -205,7 +205,8 @@ def variants(a) -> list[tuple[str, list[str]]]:
         if bad:
             raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
         return [(n, VARIANTS[n]) for n in names]
-    name = "no-checksums" if a.no_checksums else "no-source-checksums" if a.no_source_checksums else "default"
+    name = ("no-checksums" if getattr(a, "no_checksums", False)
+            else "no-source-checksums" if getattr(a, "no_source_checksums", False) else "default")
     return [(name, VARIANTS[name])]
 
 

@@ -210,10 +210,15 @@ def quantize_step(results, copy_bw):
 
 
 def _manifest_sha(dst: Path):
+    """Output shard digests: the manifest's, or hashed here (outside the timing) under --no-checksums."""
     try:
-        return json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"]
+        got = json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"]
     except (OSError, ValueError, KeyError):
         return None
+    if not got:
+        from qconvert.convert.safetensors_io import sha256_file
+        got = {p.name: sha256_file(p) for p in sorted(dst.glob("*.safetensors"))}
+    return got
 
 
 def conversion(results, a, save):
@@ -232,17 +237,18 @@ def conversion(results, a, save):
     results["conversion"] = rows
     # cuda with each quantizer core (QCONVERT_CUDA_QUANTIZER; "compile" only with --compile-too: it
     # pays a compile per tensor shape), then cpu; a floor process right after each.
-    runs = [(DEV, "triton (default)", {"QCONVERT_CUDA_QUANTIZER": "triton"}),
-            (DEV, "eager", {"QCONVERT_CUDA_QUANTIZER": "eager"})]
+    runs = [(DEV, "triton (default)", {"QCONVERT_CUDA_QUANTIZER": "triton"})]
+    if not a.no_eager:
+        runs.append((DEV, "eager", {"QCONVERT_CUDA_QUANTIZER": "eager"}))
     if a.compile_too:
         runs.append((DEV, "compile", {"QCONVERT_CUDA_QUANTIZER": "compile"}))
     if a.cpu_too:
         runs.append(("cpu", "eager", {}))
     for scheme in a.schemes.split(","):
         ref_sha = None
-        for device, mode, env in runs:
+        for (device, mode, env), (variant, flags) in [(r, v) for r in runs for v in bc.variants(a)]:
             dst = work / f"out-{scheme}-{device}"
-            cmd = bc._py() + ["_qconvert", scheme, str(src), str(dst), "--device", device]
+            cmd = bc._py() + ["_qconvert", scheme, str(src), str(dst), "--device", device] + flags
             m = bc.run_measured(cmd, log=work / "log.txt", env=env)
             out_sizes = bc._shard_sizes(dst) if dst.exists() else {}
             sha = _manifest_sha(dst)
@@ -250,7 +256,7 @@ def conversion(results, a, save):
             shutil.rmtree(dst, ignore_errors=True)
             f = bc.run_measured(bc.cmd_floor(src, work / "out-floor", out_sizes, False), log=work / "log.txt") if out_sizes else None
             shutil.rmtree(work / "out-floor", ignore_errors=True)
-            row = {"scheme": scheme, "device": device, "mode": mode, "wall": round(m["wall"], 2), "rc": m["rc"],
+            row = {"scheme": scheme, "device": device, "mode": mode, "options": variant, "wall": round(m["wall"], 2), "rc": m["rc"],
                    "cpu_s": round(m["cpu"], 1), "rss_GiB": round(m["rss"] / 2**30, 2), "bytes_in": sum(sizes_in.values()),
                    "bytes_out": sum(out_sizes.values()),
                    "floor_wall": round(f["wall"], 2) if f else None,
@@ -280,10 +286,10 @@ def table(res) -> str:
     if res.get("exhaustive"):
         L += ["", f"Exhaustive check (every BF16 pattern x global scales, both NVFP4 recipes and MXFP8): {res['exhaustive']}"]
     if res.get("conversion"):
-        L += ["", "| scheme | device | mode | input | output | floor wall | qconvert wall | qconvert / floor | CPU s | peak RSS | same bytes as first row | rc |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        L += ["", "| scheme | device | mode | qconvert options | input | output | floor wall | qconvert wall | qconvert / floor | CPU s | peak RSS | same bytes as first row | rc |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["conversion"]:
-            L.append(f"| {r['scheme']} | {r['device']} | {r['mode']} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
+            L.append(f"| {r['scheme']} | {r['device']} | {r['mode']} | {r.get('options', 'default')} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
                      f"{r['floor_wall']} s | {r['wall']} s | {r['ratio']} | {r['cpu_s']} | {r['rss_GiB']} GiB | "
                      f"{r['same_bytes_as_first']} | {r['rc']} |")
     L += ["", "Reproduce: `python " + " ".join(["scripts/bench_gpu.py"] + res["argv"][1:]) + "`"]
@@ -301,6 +307,9 @@ def main():
     ap.add_argument("--compile-too", action="store_true", help="also convert with the torch.compile cores")
     ap.add_argument("--skip-conversion", action="store_true")
     ap.add_argument("--skip-quantize", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="conversions: skip the eager torch-chain CUDA core")
+    ap.add_argument("--variants", default="default", help="comma list of qconvert option sets per conversion: "
+                    + ", ".join(bc.VARIANTS) + " (bench_convert.py --variants)")
     a = ap.parse_args()
     import datetime
     import platform

@@ -607,7 +607,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     stop = threading.Event()
     errors: list[BaseException] = []
     read_q: queue.Queue = queue.Queue()
-    write_q: queue.Queue = queue.Queue(maxsize=64)
+    write_q: queue.Queue = queue.Queue(maxsize=64)  # jobs' outputs; memory is bounded by `inflight`
     inflight = [0]  # input bytes read whose outputs are not yet written: bounds memory in flight
     cond = threading.Condition()
     input_sha: dict[str, str] = {}
@@ -692,21 +692,21 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 item = write_q.get()
                 if item is None:
                     return
-                name, t = item
-                if name is None:  # a job's outputs are all written: its input bytes leave the budget
-                    with cond:
-                        inflight[0] -= t
-                        cond.notify()
-                    continue
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                i = out_shard[name]
-                w = writers[i]
-                w.write(name, t)
-                if w.complete:
-                    output_sha[ckpt.shards[i].path.name] = w.close(opts.fsync)
-                    if journal is not None:
-                        journal.output_done(ckpt.shards[i].path.name, output_sha[ckpt.shards[i].path.name], w.w.size)
+                outputs, release = item  # one job's outputs, then its input bytes leave the budget
+                for name, t in outputs:
+                    if t.device.type != "cpu":
+                        t = t.cpu()
+                    i = out_shard[name]
+                    w = writers[i]
+                    w.write(name, t)
+                    if w.complete:
+                        output_sha[ckpt.shards[i].path.name] = w.close(opts.fsync)
+                        if journal is not None:
+                            journal.output_done(ckpt.shards[i].path.name, output_sha[ckpt.shards[i].path.name], w.w.size)
+                outputs = t = None  # drop the references before waiting for the next job
+                with cond:
+                    inflight[0] -= release
+                    cond.notify()
         except BaseException as ex:
             errors.append(ex)
             stop.set()
@@ -728,17 +728,17 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     def emit():
         fut, j, release, nsrc = pending.popleft()
         out = fut.result()
-        items = [(o.name, out[o.name]) for o in j.outputs
-                 if writers[out_shard[o.name]] is not None]  # resumed: shard already complete
-        items.append((None, release))  # released by the writer once the outputs are written
-        for item in items:
-            while True:
-                try:
-                    write_q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    if errors:
-                        raise errors[0]
+        item = ([(o.name, out[o.name]) for o in j.outputs
+                 if writers[out_shard[o.name]] is not None],  # resumed: shard already complete
+                release)  # released by the writer once the outputs are written
+        del out
+        while True:
+            try:
+                write_q.put(item, timeout=0.2)
+                break
+            except queue.Full:
+                if errors:
+                    raise errors[0]
         bar.update(nsrc)
 
     try:
