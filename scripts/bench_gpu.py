@@ -309,7 +309,7 @@ def main():
     ap.add_argument("--skip-quantize", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="conversions: skip the eager torch-chain CUDA core")
     ap.add_argument("--variants", default="default", help="comma list of qconvert option sets per conversion: "
-                    + ", ".join(bc.VARIANTS) + " (bench_convert.py --variants)")
+                    "default, no-source-checksums, no-checksums (as bench_convert.py --variants)")
     a = ap.parse_args()
     import datetime
     import platform

@@ -36,7 +36,8 @@ def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
     run("mxfp8", demo_dense, tmp_path / "b", "--no-source-checksums")
     a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
     shards = sorted(p.name for p in demo_dense.glob("*.safetensors"))
-    assert sorted(a["source"]["sha256"]) == shards and "sha256_note" not in a["source"]
+    assert a["source"]["sha256"] == {p.name: sha(p) for p in demo_dense.glob("*.safetensors")}
+    assert "sha256_note" not in a["source"]
     assert b["source"]["sha256"] == {} and "no-source-checksums" in b["source"]["sha256_note"]
     # outputs: hashed either way, and the same bytes
     assert b["outputs"]["sha256"] == a["outputs"]["sha256"]
@@ -86,6 +87,22 @@ def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_
     assert not r.ok and any("no sha256 for shard" in f for f in r.failures), r.failures
 
 
+def test_a_source_shard_that_cannot_be_hashed_is_named_and_nothing_is_written(demo_moe, tmp_path, monkeypatch):
+    bad = sorted(demo_moe.glob("*.safetensors"))[-1]
+    real_sha256_file = pipeline.sha256_file
+
+    def sha256_file(path, **kw):
+        if Path(path).name == bad.name:
+            raise OSError(5, "Input/output error")
+        return real_sha256_file(path, **kw)
+    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
+    r = CliRunner().invoke(main, ["mxfp8", str(demo_moe), str(tmp_path / "out"), "--no-progress"])
+    assert r.exit_code == 1, r.output
+    assert str(bad) in r.output and "Input/output error" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+    assert not [t for t in __import__("threading").enumerate() if t.name.startswith("qconvert-input-sha")]
+
+
 def _hub_cache(src: Path, cache: Path) -> Path:
     """huggingface_hub's layout: files once under blobs/, snapshot names are relative links."""
     rev = "0123456789abcdef0123456789abcdef01234567"
@@ -120,10 +137,17 @@ def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeyp
         return real_reader(h, hash_file=hash_file, **kw)
 
     monkeypatch.setattr(pipeline, "ShardReader", reader)
+    files_hashed = []
+    real_sha256_file = pipeline.sha256_file
+
+    def sha256_file(path, **kw):
+        files_hashed.append(path)
+        return real_sha256_file(path, **kw)
+    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
     run("mxfp8", "acme/tiny", tmp_path / "out")
     src = manifest(tmp_path / "out")["source"]
     assert src["sha256"] == {p.name: sha(p) for p in snap.glob("*.safetensors")}
-    assert hashed and not any(h for _, h in hashed)  # no source byte was hashed
+    assert hashed and not any(h for _, h in hashed) and files_hashed == []  # no source byte was hashed
 
 
 def test_hub_cache_sha256_only_trusts_links_into_blobs(tmp_path):

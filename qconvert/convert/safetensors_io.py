@@ -342,12 +342,17 @@ def hub_cache_sha256(path: str | os.PathLike) -> str | None:
     return None
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """sha256 of a whole file, read in 16 MiB chunks (the checksums in manifests and journals)."""
+def sha256_file(path: str | os.PathLike, cancel: threading.Event | None = None) -> str | None:
+    """sha256 of a whole file (the checksums in manifests and journals), or None once ``cancel``
+    is set. Read into one reused 1 MiB buffer: as fast as hashing a mapping of the file here, and
+    the process's resident memory does not grow by the file's size."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
+    buf = memoryview(bytearray(1 << 20))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            if cancel is not None and cancel.is_set():
+                return None
+            h.update(buf[:n])
     return h.hexdigest()
 
 
