@@ -25,7 +25,6 @@ import weakref
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -245,19 +244,11 @@ class ShardReader:
             yield e, self.read(e.name)
 
     def sha256(self) -> str | None:
-        return self.digest_later()()
-
-    def digest_later(self) -> Callable[[], str | None]:
-        """Hash the rest of the file now and return a function that waits for the digest (the
-        hashing thread may still be behind), so the caller can go on reading other files."""
+        """The whole file's digest (the rest of the file is hashed first), or None if unhashed."""
         if self._hash is None:
-            return lambda: None
+            return None
         self._hash_gap(self.header.file_size)
-        return self._hash.hexdigest
-
-    def close_file(self):
-        """Close the file but let the hash finish (see :meth:`digest_later`)."""
-        self._f.close()
+        return self._hash.hexdigest()
 
 
 class _HashState:
