@@ -619,9 +619,9 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     side = torch.cuda.Stream() if opts.device != "cpu" else None
     to_device = {s for j in jobs if j.device_input for s in j.sources} if side is not None else set()
 
-    # Source digests: each shard hashed on its own from a mapping of the file (HASH_STREAMS at
-    # once), so neither the reader nor the writer waits for a digest (one sha256 stream runs at
-    # 1.2-1.7 GB/s, slower than the page cache on a many-core host).
+    # Source digests: each shard hashed by reading the file on a thread of its own (HASH_STREAMS
+    # at once), so neither the reader nor the writer waits for a digest (one sha256 stream runs
+    # at 1.2-1.7 GB/s, slower than the page cache on a many-core host).
     hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
 
     def input_digest(h, known: str | None):
