@@ -622,8 +622,6 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     # Source digests: each shard hashed by reading the file on a thread of its own (HASH_STREAMS
     # at once), so neither the reader nor the writer waits for a digest (one sha256 stream runs
     # at 1.2-1.7 GB/s, slower than the page cache on a many-core host).
-    hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
-
     def input_digest(h, known: str | None):
         try:
             name = h.path.name
@@ -729,16 +727,6 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             errors.append(ex)
             stop.set()
 
-    for h in ckpt.shards:
-        name = h.path.name
-        if journal is not None and name in journal.inputs and not any(n in needed for n in h.entries):
-            input_sha[name] = journal.inputs[name]  # resumed and not read again
-        elif not opts.source_checksums:
-            input_digest(h, "")
-        elif (known := hub_cache_sha256(h.path)) is not None:
-            input_digest(h, known)
-        else:
-            hashers.submit(input_digest, h, None)
     rt = threading.Thread(target=reader, name="qconvert-reader", daemon=True)
     wt = threading.Thread(target=writer, name="qconvert-writer", daemon=True)
     rt.start()
@@ -769,7 +757,18 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                     raise errors[0]
         bar.update(nsrc)
 
+    hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
     try:
+        for h in ckpt.shards:
+            name = h.path.name
+            if journal is not None and name in journal.inputs and not any(n in needed for n in h.entries):
+                input_sha[name] = journal.inputs[name]  # resumed and not read again
+            elif not opts.source_checksums:
+                input_digest(h, "")
+            elif (known := hub_cache_sha256(h.path)) is not None:
+                input_digest(h, known)
+            else:
+                hashers.submit(input_digest, h, None)
         while True:
             item = read_q.get()
             if item is None:
