@@ -255,3 +255,26 @@ def test_resume_under_no_checksums_keeps_shards_by_size_and_matches_a_hashed_run
             assert got[name] == ref[name], name
     m = json.loads(got["qconvert.json"])
     assert m["outputs"]["sha256"] == {} and "sha256_note" in m["outputs"]
+
+
+def test_a_journaled_shard_without_a_digest_is_rehashed_when_checksums_are_on(src, reference, tmp_path, monkeypatch):
+    """Only the fingerprint's --no-checksums makes resume trust sizes: a hashed run's journal entry
+    whose digest went missing is checked against the shard's bytes, and a changed shard is redone."""
+    dst = tmp_path / "out"
+    env = {"SOURCE_DATE_EPOCH": EPOCH}
+    _interrupt_after(monkeypatch, 2)
+    assert cli("mxfp8", src, dst, "--last-n-bf16", "1", "--no-progress", env=env)[0] == 130
+    monkeypatch.undo()
+    jpath = partial_dir(dst) / JOURNAL_NAME
+    journal = json.loads(jpath.read_text())
+    name = sorted(journal["outputs"])[0]
+    journal["outputs"][name]["sha256"] = ""
+    jpath.write_text(json.dumps(journal))
+    shard = partial_dir(dst) / name
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    code, out = cli("mxfp8", src, dst, "--last-n-bf16", "1", "--no-progress", "--resume", env=env)
+    assert code == 0, out
+    assert f"{name} failed its checksum" in out and "1 of 8 output shards verified and kept" in out, out
+    assert_same_tree(dst, reference)

@@ -218,23 +218,21 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             if diff:
                 raise OutputError(f"{d}: the interrupted conversion differs from this command ({diff}); rerun it "
                                   f"with its original source and options and --resume, or delete {d} to start over")
-            unhashed = 0
+            # --no-checksums (part of the fingerprint, so the interrupted run had it too): no digests
+            # were recorded, and shards are kept on their size alone
+            by_size = not opts.output_checksums
             for name, rec in sorted(recorded.items()):
                 p = d / name
                 ok = (isinstance(rec, dict) and name in inputs and "/" not in name and p.is_file()
                       and p.stat().st_size == rec.get("size"))
-                # "": the run was started with --no-checksums (same fingerprint): kept on its size alone
-                by_size = isinstance(rec, dict) and rec.get("sha256") == ""
-                if ok and by_size:
-                    unhashed += 1
-                elif ok:
+                if ok and not by_size:
                     ok = sha256_file(p) == rec.get("sha256")
                 if ok:
                     outputs[name] = {"sha256": rec["sha256"], "size": rec["size"]}
                 else:
                     notes.append(f"resume: {name} failed its {'size check' if by_size else 'checksum'} and is redone")
             notes.append(f"resume: {len(outputs)} of {len(ckpt.shards)} output shards verified and kept"
-                         + (f" ({unhashed} by size only: --no-checksums)" if unhashed else ""))
+                         + (f" ({len(outputs)} by size only: --no-checksums)" if by_size and outputs else ""))
         elif resume:
             notes.append("resume: no interrupted conversion found; started from the beginning")
         # Whatever is not a verified shard is rewritten: remove it so DST holds only this run's files.
