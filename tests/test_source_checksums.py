@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -100,7 +101,7 @@ def test_a_source_shard_that_cannot_be_hashed_is_named_and_nothing_is_written(de
     assert r.exit_code == 1, r.output
     assert str(bad) in r.output and "Input/output error" in r.output, r.output
     assert not (tmp_path / "out").exists()
-    assert not [t for t in __import__("threading").enumerate() if t.name.startswith("qconvert-input-sha")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("qconvert-input-sha")]
 
 
 def _hub_cache(src: Path, cache: Path) -> Path:
