@@ -1,5 +1,5 @@
-"""Source checksums: hashed by default, read from the Hugging Face cache's blob names for free,
-skipped with --no-source-checksums (output checksums kept, same output bytes); --no-checksums
+"""Source checksums: hashed by default, read from the Hugging Face cache's blob names or from a
+``hf download --local-dir`` directory's download records for free, skipped with --no-source-checksums (output checksums kept, same output bytes); --no-checksums
 skips output checksums too (same shard bytes)."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from click.testing import CliRunner
 
 from qconvert.cli import main
 from qconvert.convert import pipeline
-from qconvert.convert.safetensors_io import hub_cache_sha256
+from qconvert.convert.safetensors_io import hub_cache_sha256, local_dir_sha256
 from qconvert.verify import verify
 
 
@@ -166,3 +167,66 @@ def test_hub_cache_sha256_only_trusts_links_into_blobs(tmp_path):
     os.symlink(other / "not-a-digest", tmp_path / "y.safetensors")
     assert hub_cache_sha256(tmp_path / "y.safetensors") is None
     assert hub_cache_sha256(tmp_path / "missing.safetensors") is None
+
+
+def test_local_dir_sha256_trusts_what_huggingface_hub_trusts(tmp_path):
+    """The records are written by huggingface_hub itself; its own reader is the oracle for when
+    a record still holds (file unchanged since the download)."""
+    from huggingface_hub._local_folder import read_download_metadata, write_download_metadata
+
+    (tmp_path / "sub").mkdir()
+    files = {"x.safetensors": b"abc", "sub/y.safetensors": b"defg"}
+    for rel, data in files.items():
+        (tmp_path / rel).write_bytes(data)
+        os.utime(tmp_path / rel, (1e9, 1e9))  # written before its record, as a download is
+        write_download_metadata(tmp_path, rel, "0" * 40, hashlib.sha256(data).hexdigest())
+    for rel, data in files.items():
+        assert read_download_metadata(tmp_path, rel) is not None
+        assert local_dir_sha256(tmp_path / rel) == hashlib.sha256(data).hexdigest()
+    # changed after the download: neither trusts the record
+    (tmp_path / "x.safetensors").write_bytes(b"abX")
+    os.utime(tmp_path / "x.safetensors", None)
+    later = (tmp_path / "x.safetensors").stat().st_mtime + 5
+    os.utime(tmp_path / "x.safetensors", (later, later))
+    assert read_download_metadata(tmp_path, "x.safetensors") is None
+    assert local_dir_sha256(tmp_path / "x.safetensors") is None
+    # a non-LFS file's etag is a git blob id, not a sha256 of the content
+    (tmp_path / "z.safetensors").write_bytes(b"z")
+    os.utime(tmp_path / "z.safetensors", (1e9, 1e9))
+    write_download_metadata(tmp_path, "z.safetensors", "0" * 40, "1" * 40)
+    assert read_download_metadata(tmp_path, "z.safetensors") is not None
+    assert local_dir_sha256(tmp_path / "z.safetensors") is None
+    # no record, or a malformed one
+    (tmp_path / "w.safetensors").write_bytes(b"w")
+    assert local_dir_sha256(tmp_path / "w.safetensors") is None
+    meta = tmp_path / ".cache" / "huggingface" / "download" / "w.safetensors.metadata"
+    meta.write_text("only one line\n")
+    assert local_dir_sha256(tmp_path / "w.safetensors") is None
+
+
+def test_local_dir_download_records_save_the_source_digests(demo_dense, tmp_path, monkeypatch):
+    """``hf download --local-dir`` sources: digests from the records, no source byte hashed; a shard
+    changed after the download is hashed (and its new digest recorded)."""
+    from huggingface_hub._local_folder import write_download_metadata
+
+    local = tmp_path / "model"
+    shutil.copytree(demo_dense, local)
+    shards = sorted(local.glob("*.safetensors"))
+    for p in shards:
+        os.utime(p, (1e9, 1e9))
+        write_download_metadata(local, p.name, "0" * 40, sha(p))
+    files_hashed = []
+    real_sha256_file = pipeline.sha256_file
+
+    def sha256_file(path, **kw):
+        files_hashed.append(Path(path).name)
+        return real_sha256_file(path, **kw)
+    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
+    run("mxfp8", local, tmp_path / "a", "--no-progress")
+    assert manifest(tmp_path / "a")["source"]["sha256"] == {p.name: sha(p) for p in shards}
+    assert files_hashed == []
+    later = time.time() + 10
+    os.utime(shards[0], (later, later))  # touched after the download: its record no longer holds
+    run("mxfp8", local, tmp_path / "b", "--no-progress")
+    assert files_hashed == [shards[0].name]
+    assert manifest(tmp_path / "b")["source"]["sha256"] == manifest(tmp_path / "a")["source"]["sha256"]

@@ -35,7 +35,8 @@ from .checkpoint import INDEX_NAME, Checkpoint, load_checkpoint
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
 from .plan import KEEP, QUANTIZE, Plan, PlanOptions, build_plan
-from .safetensors_io import BackgroundSha256, ShardReader, ShardWriter, hub_cache_sha256, sha256_file
+from .safetensors_io import (BackgroundSha256, ShardReader, ShardWriter, hub_cache_sha256, local_dir_sha256,
+                             sha256_file)
 
 MANIFEST_NAME = "qconvert.json"
 MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
@@ -765,7 +766,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 input_sha[name] = journal.inputs[name]  # resumed and not read again
             elif not opts.source_checksums:
                 input_digest(h, "")
-            elif (known := hub_cache_sha256(h.path)) is not None:
+            elif (known := hub_cache_sha256(h.path) or local_dir_sha256(h.path)) is not None:
                 input_digest(h, known)
             else:
                 hashers.submit(input_digest, h, None)

@@ -333,6 +333,30 @@ def hub_cache_sha256(path: str | os.PathLike) -> str | None:
     return None
 
 
+def local_dir_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 of a file that ``hf download --local-dir`` fetched and nobody changed since, or None.
+
+    huggingface_hub records each file it downloads into a local directory in
+    ``<dir>/.cache/huggingface/download/<file>.metadata``: the commit, the etag (for an LFS file
+    the sha256 of its content, 64 hex digits) and the time it wrote it. It trusts that etag for a
+    file not modified after that time (mtime at most 1 s later), and so does this.
+    """
+    p = Path(path)
+    for root in list(p.parents)[:4]:
+        meta = root / ".cache" / "huggingface" / "download" / (str(p.relative_to(root)) + ".metadata")
+        try:
+            lines = meta.read_text().splitlines()
+            mtime = p.stat().st_mtime
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            etag, stamp = lines[1].strip(), float(lines[2])
+        except (IndexError, ValueError):
+            return None
+        return etag if _HEX64.fullmatch(etag) and mtime - 1 <= stamp else None
+    return None
+
+
 def sha256_file(path: str | os.PathLike, cancel: threading.Event | None = None) -> str | None:
     """sha256 of a whole file (the checksums in manifests and journals), or None once ``cancel``
     is set. Read into one reused 1 MiB buffer: as fast as hashing a mapping of the file here, and
