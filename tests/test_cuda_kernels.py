@@ -99,6 +99,30 @@ def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
         assert digests[0] == digests[1], scheme
 
 
+def test_pinned_reads_and_copies_back(tmp_path):
+    """The CUDA path's staging: tensors read into page-locked memory hold the file's bytes (the
+    oracle: safetensors' own loader), and device outputs come back page-locked and equal."""
+    from safetensors.torch import load_file, save_file
+
+    from qconvert.convert.pipeline import _to_host
+    from qconvert.convert.safetensors_io import ShardReader, read_header
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(768, 2048, generator=g).bfloat16(), "b": torch.randn(3, 5, generator=g),
+               "c": torch.zeros(0, 16, dtype=torch.bfloat16), "d": torch.arange(7, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    ref = load_file(tmp_path / "x.safetensors")
+    with ShardReader(read_header(tmp_path / "x.safetensors"), hash_file=False, mapped=True, pinned={"a", "c", "d"}) as r:
+        got = dict((e.name, t) for e, t in r.iter_tensors())
+    for n, t in got.items():
+        assert t.is_pinned() == (n in ("a", "d")), n  # "b" stays a mapping; "c" has no bytes to pin
+        assert t.dtype == ref[n].dtype and torch.equal(t.view(torch.uint8) if t.numel() else t, ref[n].view(torch.uint8) if t.numel() else ref[n]), n
+    for x in (ref["a"].cuda(), torch.randn(5, 3, device="cuda").to(torch.float8_e4m3fn), torch.tensor(2.5, device="cuda")):
+        h = _to_host(x)
+        assert h.is_pinned() and h.device.type == "cpu" and h.dtype == x.dtype and h.shape == x.shape
+        assert torch.equal(h.view(torch.uint8) if h.dim() else h, x.cpu().view(torch.uint8) if x.dim() else x.cpu())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_another_gpu_than_the_current_one():
     x = (torch.randn(4096, 32, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()

@@ -615,8 +615,9 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     inflight = [0]  # input bytes read whose outputs are not yet written: bounds memory in flight
     cond = threading.Condition()
     input_sha: dict[str, str] = {}
-    # CUDA: the reader thread moves quantizer inputs to the device on a side stream, so the
-    # transfer overlaps the calling thread's compute; the writer thread copies outputs back.
+    # CUDA: the reader thread reads quantizer inputs into page-locked memory and moves them to the
+    # device on a side stream, so the transfer overlaps the calling thread's compute; the writer
+    # thread copies outputs back, also through page-locked memory (see _to_host).
     side = torch.cuda.Stream() if opts.device != "cpu" else None
     to_device = {s for j in jobs if j.device_input for s in j.sources} if side is not None else set()
 
@@ -646,7 +647,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             only = {n for n in h.entries if n in needed}
             if not only:
                 continue
-            r = ShardReader(h, hash_file=False, mapped=True)
+            r = ShardReader(h, hash_file=False, mapped=True, pinned=to_device)
             yield h, r, r.iter_tensors(only if len(only) < len(h.entries) else None)
 
     def reader():
@@ -712,7 +713,7 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 outputs, release = item  # one job's outputs, then its input bytes leave the budget
                 for name, t in outputs:
                     if t.device.type != "cpu":
-                        t = t.cpu()
+                        t = _to_host(t)
                     i = out_shard[name]
                     w = writers[i]
                     w.write(name, t)
@@ -839,6 +840,9 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             w.w.abort()
     if errors:
         raise errors[0]
+    if side is not None:  # the reader's copies are done: hand the page-locked buffers back
+        side.synchronize()
+        _release_pinned()
     for i, w in enumerate(writers):
         name = ckpt.shards[i].path.name
         if w is None:
@@ -851,6 +855,22 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 journal.output_done(name, output_sha[name], w.w.size)
     order = [h.path.name for h in ckpt.shards]  # shard order, whatever order shards finished in
     return {n: input_sha[n] for n in order}, {n: output_sha[n] for n in order}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into page-locked host memory: 55 GB/s on an H200 host against 5 GB/s
+    for ``t.cpu()`` (pageable). torch's caching host allocator reuses the buffer once written."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t)
+    return h
+
+
+def _release_pinned():
+    """Return the caching host allocator's page-locked buffers to the system (a library caller's
+    process goes on after the conversion)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _source_for_outputs(j: Job) -> list[str]:

@@ -160,7 +160,7 @@ class ShardReader:
     :meth:`iter_tensors` (gaps and the header included), so input checksums cost no second pass.
     """
 
-    def __init__(self, header: Header, hash_file: bool = True, mapped: bool = False):
+    def __init__(self, header: Header, hash_file: bool = True, mapped: bool = False, pinned=frozenset()):
         self.header = header
         self._f = open(header.path, "rb", buffering=0)
         self._hash = BackgroundSha256() if hash_file else None
@@ -168,6 +168,10 @@ class ShardReader:
         #: map each tensor instead of copying it (one mapping per tensor, released with it: callers
         #: that keep every tensor of a large model alive would run into the kernel's map count)
         self._mapped = mapped
+        #: names read into page-locked memory (CUDA builds of torch only): their host-to-device
+        #: copies run asynchronously at the link's speed, where a copy from pageable memory, mapped
+        #: or not, is staged by the driver and blocks the caller (H200 host: 55 against 6-7 GB/s)
+        self._pinned = pinned
 
     def close(self):
         self._f.close()
@@ -220,11 +224,12 @@ class ShardReader:
     def read(self, name: str) -> torch.Tensor:
         e = self.header.entries[name]
         dtype, _ = DTYPES[e.dtype]
-        got = self._map(e, dtype) if self._mapped and e.nbytes else None
+        pinned = name in self._pinned
+        got = self._map(e, dtype) if self._mapped and e.nbytes and not pinned else None
         if got is not None:
             t, buf = got
         else:
-            t = torch.empty(e.shape, dtype=dtype)
+            t = torch.empty(e.shape, dtype=dtype, pin_memory=pinned)
         if e.nbytes:
             if got is None:
                 buf = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
