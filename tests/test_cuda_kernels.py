@@ -90,13 +90,15 @@ def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "triton")
     for scheme in ("mxfp8", "nvfp4"):
         digests = []
-        for device in ("cpu", "cuda"):
-            dst = tmp_path / f"{scheme}-{device}"
+        for device, stream in (("cpu", None), ("cuda", None), ("cuda", torch.cuda.Stream())):
+            # a library caller's own current stream: results are copied back after its kernels
+            dst = tmp_path / f"{scheme}-{device}-{stream is not None}"
             opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, progress=False)
-            convert(str(src), str(dst), scheme, opts)
+            with torch.cuda.stream(stream):
+                convert(str(src), str(dst), scheme, opts)
             import json
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
-        assert digests[0] == digests[1], scheme
+        assert digests[0] == digests[1] == digests[2], scheme
 
 
 def test_pinned_reads_and_copies_back(tmp_path):

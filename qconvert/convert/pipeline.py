@@ -618,7 +618,10 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     # CUDA: the reader thread reads quantizer inputs into page-locked memory and moves them to the
     # device on a side stream, so the transfer overlaps the calling thread's compute; the writer
     # thread copies outputs back, also through page-locked memory (see _to_host).
-    side = torch.cuda.Stream() if opts.device != "cpu" else None
+    side = torch.cuda.Stream(device=opts.device) if opts.device != "cpu" else None
+    # the stream the calling thread's kernels run on (a library caller's own, if it set one): the
+    # reader's copies are waited for on it, and the writer copies results back on it
+    main_stream = torch.cuda.current_stream(opts.device) if side is not None else None
     to_device = {s for j in jobs if j.device_input for s in j.sources} if side is not None else set()
 
     # Source digests: each shard hashed by reading the file on a thread of its own (HASH_STREAMS
@@ -713,7 +716,8 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                 outputs, release = item  # one job's outputs, then its input bytes leave the budget
                 for name, t in outputs:
                     if t.device.type != "cpu":
-                        t = _to_host(t)
+                        with torch.cuda.stream(main_stream):  # after the kernels that made t
+                            t = _to_host(t)
                     i = out_shard[name]
                     w = writers[i]
                     w.write(name, t)
@@ -784,8 +788,8 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             e, t = item
             if isinstance(t, tuple):  # moved to the device by the reader on the side stream
                 t, ev = t
-                torch.cuda.current_stream().wait_event(ev)
-                t.record_stream(torch.cuda.current_stream())
+                main_stream.wait_event(ev)
+                t.record_stream(main_stream)
             j = job_of[e.name]
             waiting[e.name] = t
             if all(s in waiting for s in j.sources):
