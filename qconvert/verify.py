@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +32,7 @@ import torch
 from .errors import QConvertError
 from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
 
 #: default --max-rel-err per format (relative Frobenius error of one tensor). RCEIL MXFP8 of
@@ -182,14 +185,24 @@ def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) 
     raise QConvertError(f"tensor {m.name!r}: format {fmt} cannot be dequantized by verify")
 
 
+def _figures(xn: float, en: float) -> tuple[float, float]:
+    """(relative error, SQNR dB) from sum x^2 and sum err^2."""
+    rel = math.sqrt(en / xn) if xn > 0 else (0.0 if en == 0 else math.inf)
+    if en > 0 and xn > 0:
+        ratio = xn / en
+        sqnr = 10 * math.log10(ratio) if ratio > 0 else -math.inf  # 0: a decoded value is not finite
+    else:
+        sqnr = math.inf if en == 0 else -math.inf
+    return rel, sqnr
+
+
 def compare(x: torch.Tensor, deq: torch.Tensor, fmt: str, scale_2=None) -> tuple[float, float, float, tuple | None]:
     """(relative error, SQNR dB, worst block ratio, first failing block (row, block) or None)."""
     x = x.float()
     err = deq - x
     xn = float(x.double().pow(2).sum())
     en = float(err.double().pow(2).sum()) if bool(torch.isfinite(deq).all()) else math.inf
-    rel = math.sqrt(en / xn) if xn > 0 else (0.0 if en == 0 else math.inf)
-    sqnr = 10 * math.log10(xn / en) if en > 0 and xn > 0 else (math.inf if en == 0 else -math.inf)
+    rel, sqnr = _figures(xn, en)
     blk = 32 if fmt == "mxfp8" else 16
     k = x.shape[-1]
     xb = x.reshape(-1, k // blk, blk)
@@ -204,6 +217,66 @@ def compare(x: torch.Tensor, deq: torch.Tensor, fmt: str, scale_2=None) -> tuple
         idx = int(torch.nonzero(ratio.reshape(-1) > 1)[0])
         first = (idx // ratio.shape[1], idx % ratio.shape[1])
     return rel, sqnr, worst, first
+
+
+_TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _decode_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(element values by code, block multipliers by scale byte), fp32, made by the dequantizers
+    themselves so that the C statistics decode exactly as :func:`_dequantize` does."""
+    if fmt not in _TABLES:
+        bytes_ = torch.arange(256, dtype=torch.uint8)
+        e4m3 = bytes_.view(torch.float8_e4m3fn).float()
+        if fmt == "mxfp8":
+            from .convert.numerics.mxfp8 import mxfp8_dequantize
+            ones = torch.ones(256, 32).to(torch.float8_e4m3fn)
+            _TABLES[fmt] = (e4m3, mxfp8_dequantize(ones, bytes_.reshape(256, 1))[:, 0].contiguous())
+        else:
+            from .convert.numerics.nvfp4 import e2m1_to_float
+            _TABLES[fmt] = (e2m1_to_float(torch.arange(16)), e4m3)
+    return _TABLES[fmt]
+
+
+def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: Module,
+                    workers: int) -> tuple[float, float, float, tuple | None] | None:
+    """:func:`compare` of the decoded tensor, computed from the encoded tensors in one pass by the C
+    kernels (no decoded copy; ~20x faster), or None where they cannot run here or the tensors do
+    not have the shapes the format implies (the caller then decodes, and reports what is wrong)."""
+    from .convert.numerics import cpu_kernels
+
+    if not cpu_kernels.usable(x) or x.dim() == 0:
+        return None
+    k = x.shape[-1]
+    if fmt == "mxfp8":
+        q, sc = ts.get("weight"), ts.get(m.scale_suffix or "")
+        if q is None or sc is None or q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
+            return None
+        codes, s2, block, atol = q.view(torch.uint8), 1.0, 32, 1e-30
+    elif fmt == "nvfp4":
+        q, sc = ts.get("weight_packed", ts.get("weight")), ts.get("weight_scale")
+        if q is None or sc is None or q.dtype != torch.uint8 or q.shape != (*x.shape[:-1], k // 2):
+            return None
+        if "weight_scale_2" in ts:
+            s2 = float(ts["weight_scale_2"].float().reshape(-1)[0])
+        elif "weight_global_scale" in ts:
+            s2 = float(1.0 / ts["weight_global_scale"].float().reshape(-1)[0])
+        else:
+            return None
+        codes, block, atol = q, 16, max(6 * 2.0**-6 * s2, 1e-30)
+    else:
+        return None
+    if (k % block or sc.element_size() != 1 or sc.shape != (*x.shape[:-1], k // block)
+            or not (codes.is_contiguous() and sc.is_contiguous())):
+        return None
+    elem_lut, scale_lut = _decode_tables(fmt)
+    xn, en, nonfinite, worst, first = cpu_kernels.decode_stats(
+        x, codes, sc.view(torch.uint8), elem_lut, scale_lut, s2, BLOCK_BOUND[fmt], atol, block, fmt == "nvfp4", workers)
+    rel, sqnr = _figures(xn, math.inf if nonfinite else en)
+    at = None
+    if worst > 1:
+        at = (first // (k // block), first % (k // block))
+    return rel, sqnr, worst, at
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -436,7 +509,7 @@ class _Verifier:
                                       "re-run the conversion")
         self.ok("manifest")
 
-    def _check_hashes(self, out_sha: dict[str, str]):
+    def _check_hashes(self, out_sha: dict[str, str], src_sha: dict[str, str]):
         man = self.dst.manifest
         if not man:
             return
@@ -458,7 +531,7 @@ class _Verifier:
         for h in self.src.shards:
             if h.path.name in src_want:
                 n_src += 1
-                if sha256_file(h.path) != src_want[h.path.name]:
+                if src_sha[h.path.name] != src_want[h.path.name]:
                     self.fail("checksums", f"{h.path}: sha256 differs from the source recorded in {MANIFEST_NAME}; "
                                            "DST was converted from different weights — pass the right SRC")
         note = (man.get("source") or {}).get("sha256_note")
@@ -468,7 +541,8 @@ class _Verifier:
     # -- values -----------------------------------------------------------------------------------
     def _compare_values(self, plan: dict[str, tuple[str, list[str]]]):
         r = self.r
-        src_readers = {h.path.name: ShardReader(h, hash_file=False) for h in self.src.shards}
+        # both sides mapped (one mapping per tensor, released with it): no copy of either into buffers
+        src_readers = {h.path.name: ShardReader(h, hash_file=False, mapped=True) for h in self.src.shards}
         src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
         by_tensor: dict[str, str] = {}
         for key, (kind, srcs) in plan.items():
@@ -486,9 +560,15 @@ class _Verifier:
             bar = tqdm(total=self.dst.total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="verify",
                        leave=False, dynamic_ncols=True)
         out_sha: dict[str, str] = {}
+        # source shards the manifest has digests of: hashed on threads of their own meanwhile
+        src_want = ((self.dst.manifest or {}).get("source") or {}).get("sha256") or {}
+        stop = threading.Event()
+        hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-verify-sha")
+        src_sha = {h.path.name: hashers.submit(sha256_file, h.path, stop)
+                   for h in self.src.shards if h.path.name in src_want}
         try:
             for h in self.dst.shards:
-                with ShardReader(h, hash_file=True) as rd:
+                with ShardReader(h, hash_file=True, mapped=True) as rd:
                     for e, t in rd.iter_tensors():
                         if bar:
                             bar.update(e.nbytes)
@@ -512,23 +592,31 @@ class _Verifier:
                             x = src_readers[src_shard[srcs[0]]].read(srcs[0])
                             self._check_quantized(self.mods[key], got, x, recipe)
                     out_sha[h.path.name] = rd.sha256()
+            src_digests = {name: fut.result() for name, fut in src_sha.items()}
+        except BaseException:
+            stop.set()
+            raise
         finally:
+            hashers.shutdown(wait=True, cancel_futures=True)
             if bar:
                 bar.close()
             for rd in src_readers.values():
                 rd.close()
         self.ok("kept", f"ok ({r.kept_identical} byte-identical)")
         self.ok("values", f"ok ({len(r.tensors)} quantized tensors)")
-        self._check_hashes(out_sha)
+        self._check_hashes(out_sha, src_digests)
 
     def _check_quantized(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str | None):
         fmt = m.format
-        try:
-            deq, s2 = _dequantize(fmt, self.det.dialect, ts, m)
-        except Exception as ex:  # malformed tensors already reported by the structure check
-            self.fail("values", f"tensor {m.name}.weight: cannot be decoded ({ex}); re-run the conversion")
-            return
-        rel, sqnr, worst, first = compare(x, deq, fmt, s2)
+        figures = encoded_compare(x, ts, fmt, m, CPU_WORKERS)
+        if figures is None:
+            try:
+                deq, s2 = _dequantize(fmt, self.det.dialect, ts, m)
+            except Exception as ex:  # malformed tensors already reported by the structure check
+                self.fail("values", f"tensor {m.name}.weight: cannot be decoded ({ex}); re-run the conversion")
+                return
+            figures = compare(x, deq, fmt, s2)
+        rel, sqnr, worst, first = figures
         res = TensorResult(m.name, fmt, list(m.shape), rel, sqnr, worst)
         if first is not None:
             row, blk = first

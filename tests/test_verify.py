@@ -116,6 +116,22 @@ def test_verify_fails_on_one_corrupted_scale_byte(demo, tmp_path):
     assert name in res.output and "FAILED" in res.output
 
 
+def test_verify_reports_a_scale_that_decodes_to_nan(demo, tmp_path):
+    """E8M0 byte 255 is NaN: the tensor fails with its block named (verify used to stop with a
+    math domain error computing the SQNR of a non-finite decode)."""
+    dst = copy_ckpt(demo["auto"], tmp_path / "nan")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    f, off, n = tensor_location(dst, name)
+    patch_bytes(f, off + 9, bytes([255]))
+    r = verify(str(demo["bf16"]), str(dst))
+    assert not r.ok
+    bad = [t for t in r.tensors if not t.ok]
+    assert [t.module for t in bad] == ["model.layers.1.mlp.experts.3.down_proj"]
+    assert bad[0].rel_err == math.inf and bad[0].sqnr_db == -math.inf
+    res = CliRunner().invoke(main, ["verify", str(demo["bf16"]), str(dst)])
+    assert res.exit_code == 1 and name in res.output and "Traceback" not in res.output
+
+
 def test_verify_fails_on_swapped_tensor(demo, tmp_path):
     dst = copy_ckpt(demo["sglang"], tmp_path / "swap")
     a, b = "model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.1.gate_proj"

@@ -451,3 +451,49 @@ int qc_avx2(void) {
 uint32_t qc_absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
     return absmax_bits(x, kind, i0, i1);
 }
+
+/* Decode error statistics for `qconvert verify` over blocks [b0, b1) of bs elements (32 MXFP8,
+ * 16 NVFP4) of source x. Each element decodes as d = elem_lut[code] * (scale_lut[scale byte] * s2)
+ * in fp32, the operation order of mxfp8_dequantize / nvfp4_dequantize (the Python caller builds
+ * both tables with those functions' own dtype conversions); codes are one byte per element
+ * (nibbles == 0) or two per byte, element 2j in the low nibble (nibbles == 1). With err = d - x in
+ * fp32: sums[0] = sum x^2 and sums[1] = sum err^2 (in double), *nonfinite = 1 if any d is NaN or
+ * +-inf; per block r = max|err| / (bound * max|x| + atol) in fp32 (a NaN max propagates; r NaN
+ * counts as inf and inf as FLT_MAX, as torch.nan_to_num(r, nan=inf) gives), *worst = max r and
+ * *first = the first block with r > 1, or -1. verify.compare() is the torch statement of this. */
+void qc_decode_stats(const void *x, int kind, int64_t b0, int64_t b1, int bs, int nibbles,
+                     const uint8_t *codes, const uint8_t *scales, const float *elem_lut,
+                     const float *scale_lut, float s2, float bound, float atol,
+                     double *sums, int32_t *nonfinite, float *worst, int64_t *first) {
+    double xn = 0.0, en = 0.0;
+    uint32_t bad = 0;
+    float w = 0.0f;
+    int64_t f = -1;
+    for (int64_t b = b0; b < b1; b++) {
+        const float mult = scale_lut[scales[b]] * s2;
+        uint32_t eb = 0, am = 0;
+        for (int i = 0; i < bs; i++) {
+            const int64_t e = b * bs + i;
+            const uint32_t c = nibbles ? (uint32_t)(codes[e >> 1] >> ((e & 1) * 4)) & 0xFu : codes[e];
+            const float d = elem_lut[c] * mult;
+            const float xv = kind == 0 ? u2f((uint32_t)((const uint16_t *)x)[e] << 16) : ((const float *)x)[e];
+            const float err = d - xv;
+            xn += (double)xv * (double)xv;
+            en += (double)err * (double)err;
+            bad |= (f2u(d) & 0x7F800000u) == 0x7F800000u;
+            const uint32_t ea = f2u(err) & 0x7FFFFFFFu, xa = f2u(xv) & 0x7FFFFFFFu;
+            eb = ea > eb ? ea : eb;
+            am = xa > am ? xa : am;
+        }
+        float r = u2f(eb) / (bound * u2f(am) + atol);
+        if (r != r) r = u2f(0x7F800000u);
+        else if (f2u(r) == 0x7F800000u) r = 3.4028234663852886e38f;
+        if (r > w) w = r;
+        if (r > 1.0f && f < 0) f = b;
+    }
+    sums[0] = xn;
+    sums[1] = en;
+    *nonfinite = (int32_t)bad;
+    *worst = w;
+    *first = f;
+}

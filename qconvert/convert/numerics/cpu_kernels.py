@@ -147,6 +147,8 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
     lib.qc_absmax_bits.restype = ctypes.c_uint32
     lib.qc_avx2.argtypes = []
     lib.qc_avx2.restype = ctypes.c_int
+    lib.qc_decode_stats.argtypes = [p, i, i64, i64, i, i, p, p, p, p, f, f, f, p, p, p, p]
+    lib.qc_decode_stats.restype = None
     return lib, ""
 
 
@@ -302,3 +304,32 @@ def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
     xp, pp, sp = xb.data_ptr(), packed.data_ptr(), scale.data_ptr()
     te_i, gz = int(bool(te)), int(bool(g_zero))
     _run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)
+
+
+def decode_stats(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, elem_lut: torch.Tensor,
+                 scale_lut: torch.Tensor, s2: float, bound: float, atol: float, block: int, nibbles: bool,
+                 workers: int) -> tuple[float, float, bool, float, int]:
+    """Error statistics of an encoded tensor against its source ``x`` (contiguous BF16/FP32 CPU) in
+    one pass, no decoded copy: ``(sum x^2, sum err^2, any decoded value non-finite, worst block
+    ratio, first block with ratio > 1 or -1)``; see ``qc_decode_stats`` in ``cpu_kernels.c``.
+    ``codes``: uint8, one per element or (``nibbles``) two; ``scales``: uint8, one per block;
+    ``elem_lut`` (16 or 256) and ``scale_lut`` (256): fp32 decode tables."""
+    lib = library()
+    kind = _KIND[x.dtype]
+    n = x.numel() // block
+    elut = elem_lut.to(torch.float32).contiguous()
+    slut = scale_lut.to(torch.float32).contiguous()
+    ptrs = (x.data_ptr(), codes.data_ptr(), scales.data_ptr(), elut.data_ptr(), slut.data_ptr())
+
+    def run(b0, b1):
+        sums = np.zeros(2, dtype=np.float64)
+        nonfinite, worst, first = ctypes.c_int32(0), ctypes.c_float(0.0), ctypes.c_int64(-1)
+        lib.qc_decode_stats(ptrs[0], kind, b0, b1, block, int(nibbles), ptrs[1], ptrs[2], ptrs[3], ptrs[4],
+                            s2, bound, atol, sums.ctypes.data, ctypes.byref(nonfinite), ctypes.byref(worst),
+                            ctypes.byref(first))
+        return float(sums[0]), float(sums[1]), bool(nonfinite.value), worst.value, first.value
+
+    parts = _run_chunks(run, n, workers, 1 << 12)
+    firsts = [p[4] for p in parts if p[4] >= 0]
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts), any(p[2] for p in parts),
+            max((p[3] for p in parts), default=0.0), firsts[0] if firsts else -1)
