@@ -461,38 +461,64 @@ uint32_t qc_absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
  * +-inf; per block r = max|err| / (bound * max|x| + atol) in fp32 (a NaN max propagates; r NaN
  * counts as inf and inf as FLT_MAX, as torch.nan_to_num(r, nan=inf) gives), *worst = max r and
  * *first = the first block with r > 1, or -1. verify.compare() is the torch statement of this. */
+/* one block of qc_decode_stats: elementwise into arrays, then reductions the compiler vectorizes
+ * (integer maxima and ORs; the double sums over 4 interleaved partial sums: a different summation
+ * order than torch's, the same value to ~1e-15 relative) */
+static inline __attribute__((always_inline)) void stats_block(const float *restrict d, const float *restrict xv, int bs,
+                                                              double *restrict acc, uint32_t *bad, uint32_t *eb, uint32_t *am) {
+    float err[32];
+    uint32_t nf = 0, emax = 0, xmax = 0;
+    for (int i = 0; i < bs; i++) {
+        err[i] = d[i] - xv[i];
+        nf |= (f2u(d[i]) & 0x7F800000u) == 0x7F800000u;
+        const uint32_t ea = f2u(err[i]) & 0x7FFFFFFFu, xa = f2u(xv[i]) & 0x7FFFFFFFu;
+        emax = ea > emax ? ea : emax;
+        xmax = xa > xmax ? xa : xmax;
+    }
+    for (int i = 0; i < bs; i += 4)
+        for (int l = 0; l < 4; l++) {
+            acc[l] += (double)xv[i + l] * (double)xv[i + l];
+            acc[4 + l] += (double)err[i + l] * (double)err[i + l];
+        }
+    *bad |= nf;
+    *eb = emax;
+    *am = xmax;
+}
+
 void qc_decode_stats(const void *x, int kind, int64_t b0, int64_t b1, int bs, int nibbles,
                      const uint8_t *codes, const uint8_t *scales, const float *elem_lut,
                      const float *scale_lut, float s2, float bound, float atol,
                      double *sums, int32_t *nonfinite, float *worst, int64_t *first) {
-    double xn = 0.0, en = 0.0;
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     uint32_t bad = 0;
     float w = 0.0f;
     int64_t f = -1;
+    float d[32], xv[32];
     for (int64_t b = b0; b < b1; b++) {
         const float mult = scale_lut[scales[b]] * s2;
-        uint32_t eb = 0, am = 0;
-        for (int i = 0; i < bs; i++) {
-            const int64_t e = b * bs + i;
-            const uint32_t c = nibbles ? (uint32_t)(codes[e >> 1] >> ((e & 1) * 4)) & 0xFu : codes[e];
-            const float d = elem_lut[c] * mult;
-            const float xv = kind == 0 ? u2f((uint32_t)((const uint16_t *)x)[e] << 16) : ((const float *)x)[e];
-            const float err = d - xv;
-            xn += (double)xv * (double)xv;
-            en += (double)err * (double)err;
-            bad |= (f2u(d) & 0x7F800000u) == 0x7F800000u;
-            const uint32_t ea = f2u(err) & 0x7FFFFFFFu, xa = f2u(xv) & 0x7FFFFFFFu;
-            eb = ea > eb ? ea : eb;
-            am = xa > am ? xa : am;
-        }
+        const int64_t e0 = b * bs;
+        if (nibbles)
+            for (int j = 0; j < bs / 2; j++) {
+                const uint32_t byte = codes[(e0 >> 1) + j];
+                d[2 * j] = elem_lut[byte & 0xFu] * mult;
+                d[2 * j + 1] = elem_lut[byte >> 4] * mult;
+            }
+        else
+            for (int i = 0; i < bs; i++) d[i] = elem_lut[codes[e0 + i]] * mult;
+        if (kind == 0)
+            for (int i = 0; i < bs; i++) xv[i] = u2f((uint32_t)((const uint16_t *)x)[e0 + i] << 16);
+        else
+            for (int i = 0; i < bs; i++) xv[i] = ((const float *)x)[e0 + i];
+        uint32_t eb, am;
+        stats_block(d, xv, bs, acc, &bad, &eb, &am);
         float r = u2f(eb) / (bound * u2f(am) + atol);
         if (r != r) r = u2f(0x7F800000u);
         else if (f2u(r) == 0x7F800000u) r = 3.4028234663852886e38f;
         if (r > w) w = r;
         if (r > 1.0f && f < 0) f = b;
     }
-    sums[0] = xn;
-    sums[1] = en;
+    sums[0] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    sums[1] = (acc[4] + acc[5]) + (acc[6] + acc[7]);
     *nonfinite = (int32_t)bad;
     *worst = w;
     *first = f;
