@@ -167,6 +167,14 @@ def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.
     return nvfp4_dequantize(packed, scale, scale_2)
 
 
+def _nvfp4_scale_2(ts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The decode-convention global scale (fp32 0-dim): ModelOpt's ``weight_scale_2``, or the
+    reciprocal of compressed-tensors' ``weight_global_scale``."""
+    if "weight_scale_2" in ts:
+        return ts["weight_scale_2"].float().reshape(-1)[0]
+    return 1.0 / ts["weight_global_scale"].float().reshape(-1)[0]
+
+
 def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(fp32 decoded weight, decode-convention global scale or None)."""
     if fmt == "mxfp8":
@@ -177,10 +185,7 @@ def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) 
         return mxfp8_dequantize(ts["weight"], s), None
     if fmt == "nvfp4":
         packed = ts.get("weight_packed", ts.get("weight"))
-        if "weight_scale_2" in ts:
-            s2 = ts["weight_scale_2"].float().reshape(-1)[0]
-        else:
-            s2 = 1.0 / ts["weight_global_scale"].float().reshape(-1)[0]
+        s2 = _nvfp4_scale_2(ts)
         return _nvfp4_dequantize(packed, ts["weight_scale"], s2), s2
     raise QConvertError(f"tensor {m.name!r}: format {fmt} cannot be dequantized by verify")
 
@@ -257,12 +262,9 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
         q, sc = ts.get("weight_packed", ts.get("weight")), ts.get("weight_scale")
         if q is None or sc is None or q.dtype != torch.uint8 or q.shape != (*x.shape[:-1], k // 2):
             return None
-        if "weight_scale_2" in ts:
-            s2 = float(ts["weight_scale_2"].float().reshape(-1)[0])
-        elif "weight_global_scale" in ts:
-            s2 = float(1.0 / ts["weight_global_scale"].float().reshape(-1)[0])
-        else:
+        if "weight_scale_2" not in ts and "weight_global_scale" not in ts:
             return None
+        s2 = float(_nvfp4_scale_2(ts))
         codes, block, atol = q, 16, max(6 * 2.0**-6 * s2, 1e-30)
     else:
         return None

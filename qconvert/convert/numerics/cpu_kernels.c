@@ -452,15 +452,6 @@ uint32_t qc_absmax_bits(const void *x, int kind, int64_t i0, int64_t i1) {
     return absmax_bits(x, kind, i0, i1);
 }
 
-/* Decode error statistics for `qconvert verify` over blocks [b0, b1) of bs elements (32 MXFP8,
- * 16 NVFP4) of source x. Each element decodes as d = elem_lut[code] * (scale_lut[scale byte] * s2)
- * in fp32, the operation order of mxfp8_dequantize / nvfp4_dequantize (the Python caller builds
- * both tables with those functions' own dtype conversions); codes are one byte per element
- * (nibbles == 0) or two per byte, element 2j in the low nibble (nibbles == 1). With err = d - x in
- * fp32: sums[0] = sum x^2 and sums[1] = sum err^2 (in double), *nonfinite = 1 if any d is NaN or
- * +-inf; per block r = max|err| / (bound * max|x| + atol) in fp32 (a NaN max propagates; r NaN
- * counts as inf and inf as FLT_MAX, as torch.nan_to_num(r, nan=inf) gives), *worst = max r and
- * *first = the first block with r > 1, or -1. verify.compare() is the torch statement of this. */
 /* one block of qc_decode_stats: elementwise into arrays, then reductions the compiler vectorizes
  * (integer maxima and ORs; the double sums over 4 interleaved partial sums: a different summation
  * order than torch's, the same value to ~1e-15 relative) */
@@ -485,6 +476,15 @@ static inline __attribute__((always_inline)) void stats_block(const float *restr
     *am = xmax;
 }
 
+/* Decode error statistics for `qconvert verify` over blocks [b0, b1) of bs elements (32 MXFP8,
+ * 16 NVFP4) of source x. Each element decodes as d = elem_lut[code] * (scale_lut[scale byte] * s2)
+ * in fp32, the operation order of mxfp8_dequantize / nvfp4_dequantize (the Python caller builds
+ * both tables with those functions' own dtype conversions); codes are one byte per element
+ * (nibbles == 0) or two per byte, element 2j in the low nibble (nibbles == 1). With err = d - x in
+ * fp32: sums[0] = sum x^2 and sums[1] = sum err^2 (in double), *nonfinite = 1 if any d is NaN or
+ * +-inf; per block r = max|err| / (bound * max|x| + atol) in fp32 (a NaN max propagates; r NaN
+ * counts as inf and inf as FLT_MAX, as torch.nan_to_num(r, nan=inf) gives), *worst = max r and
+ * *first = the first block with r > 1, or -1. verify.compare() is the torch statement of this. */
 void qc_decode_stats(const void *x, int kind, int64_t b0, int64_t b1, int bs, int nibbles,
                      const uint8_t *codes, const uint8_t *scales, const float *elem_lut,
                      const float *scale_lut, float s2, float bound, float atol,
