@@ -77,3 +77,28 @@ def test_sha256_file_stops_when_cancelled(tmp_path):
     stop = threading.Event()
     stop.set()
     assert sha256_file(p, cancel=stop) is None
+
+
+def test_hashing_writer_digest_for_any_arrival_order(tmp_path):
+    """Output shards are hashed while written; tensors that arrive before their predecessors
+    (jobs finishing out of file order) are hashed from the file once the gap is filled. The digest
+    must be the file's in every arrival order, and nothing may be left unhashed."""
+    import random
+
+    import torch
+
+    from qconvert.convert.pipeline import _HashingWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randint(0, 255, (int(n),), dtype=torch.uint8, generator=g)
+               for i, n in enumerate([1, 5000, 3, 70000, 0, 17, 40000, 8, 123457, 2])}
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    rng = random.Random(1)
+    orders = [list(tensors), list(reversed(tensors))] + [rng.sample(list(tensors), len(tensors)) for _ in range(20)]
+    for k, order in enumerate(orders):
+        path = tmp_path / f"o{k}.safetensors"
+        w = _HashingWriter(path, specs)
+        for n in order:
+            w.write(n, tensors[n])
+        assert w.complete
+        assert w.close(fsync=False) == hashlib.sha256(path.read_bytes()).hexdigest(), order
