@@ -28,12 +28,25 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs have no use fo
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+libdevice = None
+if triton is not None:
+    try:  # libdevice's correctly rounded reciprocal; where a Triton lacks it, IEEE division by 1
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        try:
+            from triton.language.extra.cuda import libdevice
+        except ImportError:
+            libdevice = None
+    if libdevice is not None and not hasattr(libdevice, "rcp_rn"):  # pragma: no cover
+        libdevice = None
+
 #: Quantization blocks and warps per Triton program (from sweeps on an H200: MXFP8 2026-12-02;
-#: NVFP4 2026-12-03, fraction of copy bandwidth te / modelopt: 64x1 0.80 / 0.73, 128x2 0.79 / 0.70,
-#: 256x4 0.79 / 0.68).
+#: NVFP4 2026-12-04, fraction of copy bandwidth, one process per measurement, 3 rounds: te 128x1
+#: 0.875-0.888, 64x1 0.814-0.822; modelopt 64x1 0.717-0.724, 128x1 0.659-0.668; 128x2 and 32x1
+#: slower for both).
 MXFP8_PROGRAM_BLOCKS = 128
 MXFP8_WARPS = 4
-NVFP4_PROGRAM_BLOCKS = 64
+NVFP4_PROGRAM_BLOCKS = {"te": 128, "modelopt": 64}
 NVFP4_WARPS = 1
 
 
@@ -95,14 +108,26 @@ if triton is not None:
         tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + rows, byte.to(tl.uint8), mask=rows < n_blocks)
 
+    HAVE_RCP_RN = tl.constexpr(libdevice is not None)
+
+    @triton.jit
+    def _recip(z):
+        """RN(1 / z), IEEE (no flush to zero: the launch options). ``rcp.rn.f32`` is a shorter
+        sequence than the general ``div.rn.f32`` with the same correctly rounded result: the te
+        kernel's per-block reciprocal was ~5 % of its time."""
+        if HAVE_RCP_RN:
+            return libdevice.rcp_rn(z)
+        else:
+            return tl.math.div_rn(1.0, z)
+
     @triton.jit
     def _max_nan(a, b):
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _e2m1_magnitude(v):
-        """E2M1 magnitude code (0..7) of fp32 ``v``: round |v| to nearest even, saturate at 6,
-        NaN -> 7.
+    def _e2m1_magnitude(a):
+        """E2M1 magnitude code of fp32 ``a >= 0`` (or NaN): round to nearest even, saturate at 6,
+        NaN -> 7. Returned in the low 3 bits of an int32 whose other bits are 0x4B000000.
 
         E2M1's grid has spacing 0.5 below 2, 1 in [2, 4) and 2 from 4 up, so the code is
         rint(2a) below 2, rint(a) + 2 in [2, 4) and rint(a / 2) + 4 above. Each candidate is
@@ -110,15 +135,26 @@ if triton is not None:
         RNE (E2M1's ties go to the even mantissa as they do to the even integer); in each binade
         the right candidate is the smallest of the three (the coarser grids give codes at least
         as large there), and 7 caps it. ``min.f32`` returns its non-NaN operand, so NaN and inf
-        give 7. The code is in the low 3 bits of the result. All fp32 work but the three minima:
+        give 7. The result is the bits of 2^23 + code: callers pack two of them as
+        ``(hi << 4) + lo``, whose low byte is the two codes (0x4B000000 has a zero low byte, and
+        shifted by 4 still does), so no masking is needed. All fp32 work but the three minima:
         on this hardware the integer/logic pipe has half the fp32 pipe's lanes.
         """
-        a = tl.abs(v)
         t0 = tl.fma(a, 2.0, 8388608.0)  # 2^23 + rint(2a): one rounding of the exact 2a + 2^23
         t1 = a + 8388610.0  # 2^23 + 2 + rint(a)
         t2 = tl.fma(a, 0.5, 8388612.0)  # 2^23 + 4 + rint(a / 2)
         m = tl.minimum(tl.minimum(t0, t1), tl.minimum(t2, 8388615.0))
-        return m.to(tl.int32, bitcast=True) & 7
+        return m.to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _markstein_quotient(x, d, r):
+        """RN(x / d) from r = RN(1 / d) without a division per element: q = RN(x * r) is within an
+        ulp of x / d, the residual x - q * d is exact (an fma), and RN(q + residual * r) is the
+        correctly rounded quotient, barring underflow and overflow (Markstein). The range in which
+        the ModelOpt kernel relies on it is checked by ``scripts/gpu_division_check.py``, which
+        calls this function."""
+        q = x * r
+        return tl.fma(tl.fma(-q, d, x), r, q)
 
     @triton.jit
     def _nvfp4_kernel(x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, TE: tl.constexpr,
@@ -140,23 +176,26 @@ if triton is not None:
             base = rows[:, None] * 16 + 2 * pairs[None, :]
             xe = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
             xo = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.reduce(_max_nan(tl.abs(xe), tl.abs(xo)), 1, _max_nan)  # a NaN anywhere gives NaN
+        ae, ao = tl.abs(xe), tl.abs(xo)
+        amax = tl.reduce(_max_nan(ae, ao), 1, _max_nan)  # a NaN anywhere gives NaN
         # Per-tensor scalars, computed per program in nvfp4.py's operation order: a handful of
         # instructions, where a dozen tiny torch kernels per tensor cost 10-20% of the time.
+        # Magnitudes are quantized from |x| (RN is symmetric, so |RN(x * s)| = RN(|x| * s) and the
+        # same for the quotient below) and the sign comes from x: measured faster on the H200.
         g = tl.load(g_ptr)
         scale_2 = tl.math.div_rn(g, 2688.0)
         if TE:
             s_enc = tl.minimum(tl.math.div_rn(2688.0, g), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
             s_enc = tl.where((g == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-            s_dec = tl.math.div_rn(1.0, s_enc)
+            s_dec = _recip(s_enc)
             # TE clamps S_enc at FLT_MAX: the decode scale is then 1 / S_enc
-            scale_2 = tl.where((g > 0.0) & (tl.math.div_rn(2688.0, g) > FLT_MAX), tl.math.div_rn(1.0, FLT_MAX), scale_2)
+            scale_2 = tl.where((g > 0.0) & (tl.math.div_rn(2688.0, g) > FLT_MAX), _recip(FLT_MAX), scale_2)
             sc = tl.minimum(amax * (s_enc * ONE_SIXTH), 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
-            inv = tl.minimum(tl.math.div_rn(1.0, sc.to(tl.float32) * s_dec), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
-            ve = xe * inv[:, None]
-            vo = xo * inv[:, None]
-            # v = x * inv with inv > 0: the sign bit of v is x's (-0.0 gives 8), except where inv
-            # is NaN (a NaN in the block), where the sign is not specified anyway
+            inv = tl.minimum(_recip(sc.to(tl.float32) * s_dec), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+            me = _e2m1_magnitude(ae * inv[:, None])
+            mo = _e2m1_magnitude(ao * inv[:, None])
+            # TE's sign is x's sign bit (-0.0 gives 8; where inv is NaN, a NaN in the block, the
+            # sign is not specified anyway)
             if BF16_WORDS:  # element 2j's sign is bit 15 of the word, element 2j + 1's bit 31
                 sign = ((w >> 12) & 8) | ((w >> 24) & 0x80)
             else:
@@ -169,28 +208,27 @@ if triton is not None:
             div = tl.where(g_zero, 1.0, sc.to(tl.float32) * scale_2)
             # ModelOpt divides every element: v = RN(x / div). div.rn.f32 costs a reciprocal on the
             # special-function unit (a quarter of the FMA lanes) per element; instead one reciprocal
-            # per block and Markstein's correction: with r = RN(1 / div) and q = RN(x * r) within an
-            # ulp of x / div, the residual x - q * div is exact (an fma) and RN(q + residual * r) is
-            # the correctly rounded quotient, barring underflow and overflow. With every divisor of
-            # the program in [2^-60, 2^16] neither can touch a quotient of 2^-3 or more (below that
-            # the E2M1 code is 0 whatever the last bits), and no nonzero BF16 x (>= 2^-133) has a
-            # quotient that rounds to zero (> 2^-150), so ModelOpt's sign (v < 0) is x < 0.
-            # Other programs (a global amax above ~4e5 or subnormal, NaN blocks) divide each element.
-            # scripts/gpu_division_check.py checks this against div_rn on 2^20 divisors x every BF16.
+            # per block and Markstein's correction (_markstein_quotient). With every divisor of
+            # the program in [2^-60, 2^16] underflow and overflow cannot touch a quotient of 2^-3
+            # or more (below that the E2M1 code is 0 whatever the last bits), and no nonzero BF16
+            # x (>= 2^-133) has a quotient that rounds to zero (> 2^-150), so ModelOpt's sign
+            # (v < 0) is x < 0. Other programs (a global amax above ~4e5 or subnormal, NaN blocks)
+            # divide each element. scripts/gpu_division_check.py checks this against div_rn on
+            # 2^20 divisors x every BF16.
             safe = tl.where((div >= 8.673617379884035e-19) & (div <= 65536.0), 1, 0)
             if tl.min(safe, axis=0) == 1:
-                r = tl.math.div_rn(1.0, div)[:, None]
+                r = _recip(div)[:, None]
                 d = div[:, None]
-                qe = xe * r
-                qo = xo * r
-                ve = tl.fma(tl.fma(-qe, d, xe), r, qe)
-                vo = tl.fma(tl.fma(-qo, d, xo), r, qo)
+                me = _e2m1_magnitude(_markstein_quotient(ae, d, r))
+                mo = _e2m1_magnitude(_markstein_quotient(ao, d, r))
                 sign = tl.where(xe < 0.0, 8, 0) | tl.where(xo < 0.0, 0x80, 0)
             else:
                 ve = tl.math.div_rn(xe, div[:, None])
                 vo = tl.math.div_rn(xo, div[:, None])
+                me = _e2m1_magnitude(tl.abs(ve))
+                mo = _e2m1_magnitude(tl.abs(vo))
                 sign = tl.where(ve < 0.0, 8, 0) | tl.where(vo < 0.0, 0x80, 0)  # ModelOpt: v < 0
-        byte = _e2m1_magnitude(ve) | (_e2m1_magnitude(vo) << 4) | sign  # element 2j in the low nibble
+        byte = (mo << 4) + me + sign  # low byte: element 2j's code in the low nibble, signs in bits 3, 7
         tl.store(packed_ptr + rows[:, None] * 8 + pairs[None, :], byte.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, sc, mask=rows < n_blocks)
         if tl.program_id(0) == 0:
@@ -226,9 +264,9 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
     scale_2 = torch.empty(1, dtype=torch.float32, device=xb.device)
     words = xb.dtype == torch.bfloat16
+    blocks = NVFP4_PROGRAM_BLOCKS[recipe]
     with torch.cuda.device(xb.device):  # Triton launches on the current device
-        _nvfp4_kernel[_grid(max(n, 1), NVFP4_PROGRAM_BLOCKS)](xb.view(torch.int32) if words else xb, packed, scale,
-                                                              g, scale_2, n, TE=recipe == "te", BF16_WORDS=words,
-                                                              BLOCKS=NVFP4_PROGRAM_BLOCKS, num_warps=NVFP4_WARPS,
-                                                              **_launch_options())
+        _nvfp4_kernel[_grid(max(n, 1), blocks)](xb.view(torch.int32) if words else xb, packed, scale, g, scale_2, n,
+                                                TE=recipe == "te", BF16_WORDS=words, BLOCKS=blocks,
+                                                num_warps=NVFP4_WARPS, **_launch_options())
     return packed, scale, scale_2.reshape(())
