@@ -8,8 +8,7 @@ wall clock, with its peak resident memory read from the kernel's accounting of t
 The I/O floor is a process that reads the same safetensors (same reader strategy as the
 converter: tensor by tensor, in file order, on a reader thread, each tensor mapped copy-on-write
 from the page cache, every page of it read once) and writes the same number of output bytes per
-shard (``pwrite`` from those
-bytes on a writer thread), with no compute at all. Mapping costs less CPU, but copying into
+shard (``pwrite`` from those bytes on a writer thread), with no compute at all. Mapping costs less CPU, but copying into
 buffers (``readinto``) lets the reader thread share the work, which can be faster in wall time on
 few cores; by default each round runs both floors and the faster one counts (``--floor``). Floor and
 qconvert runs alternate (F Q F Q ...), and each ratio is taken pair by pair, so a machine whose
@@ -80,11 +79,11 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
                             cond.wait()
                         inflight[0] += e.nbytes
                     t = r.read(e.name)
-                    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                    arr = t.reshape(-1).view(torch.uint8).numpy() if e.nbytes else np.empty(0, np.uint8)
                     keep = int(e.nbytes * ratio)
                     if mapped and e.nbytes > keep:  # the writer's copy reads the prefix; fault in the rest
-                        np.frombuffer(buf, dtype=np.uint8)[keep::mmap.PAGESIZE].max()
-                    q.put(("data", buf[:keep], e.nbytes))
+                        arr[keep::mmap.PAGESIZE].max()
+                    q.put(("data", memoryview(arr)[:keep], e.nbytes))
             q.put(("close", None, 0))
         q.put(None)
 
