@@ -254,6 +254,16 @@ def s_stage_over_link(P):
     return ["stage", P / "model", "area"]
 
 
+def s_inspect_config_leaves_src(P):
+    _link_out(P, "config.json")
+    return ["inspect", P / "model"]
+
+
+def s_inspect_index_leaves_src(P):
+    _link_out(P, "model.safetensors.index.json")
+    return ["inspect", P / "model"]
+
+
 def _to_pickle(m: Path):
     sd = {}
     for f in sorted(m.glob("*.safetensors")):
@@ -294,6 +304,8 @@ CASES = [
     (s_stage_shard_fifo, "is a FIFO"),
     (s_stage_drop_link, "is a symbolic link"),
     (s_stage_over_link, "is a symbolic link"),
+    (s_inspect_config_leaves_src, "resolves outside"),
+    (s_inspect_index_leaves_src, "resolves outside"),
 ]
 
 
