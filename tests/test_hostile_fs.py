@@ -264,6 +264,24 @@ def s_inspect_index_leaves_src(P):
     return ["inspect", P / "model"]
 
 
+def s_stage_root_is_link(P):
+    Path(os.environ["QCONVERT_SHM_ROOT"]).symlink_to(_victim(P))
+    return ["stage", P / "model", "area"]
+
+
+def s_demo_bf16_is_link(P):
+    (P / "demo").mkdir()
+    (P / "demo" / "bf16").symlink_to(_victim(P))
+    return ["demo", P / "demo", "--force"]
+
+
+def s_unshuffle_tmp_is_link(P):
+    (P / f".out.qconvert-tmp-{os.getpid()}").symlink_to(_victim(P))
+    (P / "model" / "qconvert.json").write_text(json.dumps({"dialect": "auto", "layout": {
+        "engine": "sglang", "tp": 1, "ep": 1, "layers": {}, "contracts": {}}}))
+    return ["unshuffle", P / "model", P / "out"]
+
+
 def _to_pickle(m: Path):
     sd = {}
     for f in sorted(m.glob("*.safetensors")):
@@ -304,6 +322,9 @@ CASES = [
     (s_stage_shard_fifo, "is a FIFO"),
     (s_stage_drop_link, "is a symbolic link"),
     (s_stage_over_link, "is a symbolic link"),
+    (s_stage_root_is_link, "staging root is not a plain directory"),
+    (s_demo_bf16_is_link, "is a symbolic link"),
+    (s_unshuffle_tmp_is_link, "is a symbolic link"),
     (s_inspect_config_leaves_src, "resolves outside"),
     (s_inspect_index_leaves_src, "resolves outside"),
 ]

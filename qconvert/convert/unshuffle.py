@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, OutputError
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
@@ -51,6 +51,8 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                                   "scales (layouts.md), so the plain scales cannot be recovered; re-convert from BF16")
 
     tmp = dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
+    if os.path.islink(tmp):
+        raise OutputError(f"{tmp}: is a symbolic link where unshuffle writes its output; move it away")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     n_layers = n_tensors = 0

@@ -251,6 +251,7 @@ class StagingWriter:
         if self.final.exists() and not replace:
             raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage --drop {name}`")
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _check_root(self.root)
         self.tmp = self.root / f"{_TMP_PREFIX.format(name=name)}{uuid.uuid4().hex[:8]}"
         os.mkdir(self.tmp, 0o700)
         os.chmod(self.tmp, 0o700)
@@ -535,6 +536,8 @@ def drop_area(name: str, root: Path | None = None) -> bool:
     running one). Returns whether anything was removed. A symlink in place of the area is refused."""
     _check_name(name)
     r = Path(root) if root is not None else staging_root()
+    if os.path.lexists(r):
+        _check_root(r)
     p = r / name
     _refuse_link(p)
     existed = p.exists()
@@ -579,6 +582,17 @@ def _leftover_problem(p: Path, name: str) -> str:
         return f"incomplete: being written by a running `qconvert stage` ({p})"
     return (f"incomplete: {p} was left by an interrupted `qconvert stage`; "
             f"`qconvert stage --drop {name}` removes it")
+
+
+def _check_root(r: Path) -> None:
+    """The staging root must be a directory of the caller's, not a link (``/dev/shm`` is shared)."""
+    st = os.lstat(r)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise StagingError(f"{r}: the staging root is not a plain directory (a symbolic link?); "
+                           "qconvert does not follow it: move it away or set QCONVERT_SHM_ROOT")
+    if st.st_uid != os.getuid():
+        raise StagingError(f"{r}: the staging root is owned by uid {st.st_uid}, not you; "
+                           "set QCONVERT_SHM_ROOT to a directory of yours")
 
 
 def _refuse_link(p: Path) -> None:
