@@ -282,6 +282,13 @@ def s_unshuffle_tmp_is_link(P):
     return ["unshuffle", P / "model", P / "out"]
 
 
+def s_input_scales_shard_leaves_ckpt(P):
+    other = P / "scales"
+    other.mkdir()
+    (other / "model.safetensors").symlink_to(_outside(P, "x.safetensors", _first_shard(P / "model").read_bytes()))
+    return ["nvfp4", P / "model", P / "out", "--input-scales-from", other]
+
+
 def _to_pickle(m: Path):
     sd = {}
     for f in sorted(m.glob("*.safetensors")):
@@ -325,6 +332,7 @@ CASES = [
     (s_stage_root_is_link, "staging root is not a plain directory"),
     (s_demo_bf16_is_link, "is a symbolic link"),
     (s_unshuffle_tmp_is_link, "is a symbolic link"),
+    (s_input_scales_shard_leaves_ckpt, "resolves outside"),
     (s_inspect_config_leaves_src, "resolves outside"),
     (s_inspect_index_leaves_src, "resolves outside"),
 ]
@@ -463,3 +471,33 @@ def test_a_running_stage_is_listed_as_being_written_and_not_dropped(shm_root):
         assert w.tmp.is_dir()
     finally:
         w.abort()
+
+
+# ---- A for a Hub source: its whole repo cache (snapshot and blobs) is the source ---------------
+
+@pytest.mark.parametrize("dst_rel,expected", [("hub", "DST contains SRC"),
+                                              ("hub/models--acme--tiny/blobs", "DST lies inside SRC"),
+                                              ("hub/models--acme--tiny/snapshots", "DST lies inside SRC")])
+def test_hub_source_cache_is_never_dst(dst_rel, expected, demo_dense, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny"
+    snap, blobs = repo / "snapshots" / rev, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, p in enumerate(sorted(demo_dense.iterdir())):
+        b = blobs / f"blob{i}"
+        shutil.copyfile(p, b)
+        os.symlink(os.path.relpath(b, snap), snap / p.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    before = snapshot(tmp_path)
+    r, out = cli("mxfp8", "acme/tiny", tmp_path / dst_rel, "--force", "--no-progress")
+    assert r.exit_code == 1 and expected in out, out
+    assert isinstance(r.exception, SystemExit), r.exception
+    assert snapshot(tmp_path) == before

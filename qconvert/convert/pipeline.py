@@ -291,8 +291,9 @@ def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
     if not files:
         raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
     found: dict[str, torch.Tensor] = {}
+    from .checkpoint import guard
     for f in files:
-        h = read_header(f)
+        h = read_header(guard(root, f))  # inside that checkpoint, a regular file
         names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
         if not names:
             continue
@@ -591,7 +592,9 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
     if read_src != src:
         ckpt.source_id = src  # the manifest names what the user converted, not the safetensors copy
     elif dst is not None and not opts.dry_run:
-        _check_not_overlapping(ckpt.root, dst)  # a Hub source, now resolved to its cache
+        # a Hub source, now resolved: its whole repo cache (snapshots/ and the blobs/ they point into)
+        root = ckpt.root.resolve().parents[1] if ckpt.revision is not None else ckpt.root
+        _check_not_overlapping(root, dst)
     rows = plan_rows(ckpt, plan, jobs)
     bytes_in = sum(r.bytes_in for r in rows)
     bytes_out = sum(r.bytes_out for r in rows)
