@@ -501,3 +501,21 @@ def test_hub_source_cache_is_never_dst(dst_rel, expected, demo_dense, tmp_path, 
     assert r.exit_code == 1 and expected in out, out
     assert isinstance(r.exception, SystemExit), r.exception
     assert snapshot(tmp_path) == before
+
+
+def test_ctrl_c_between_the_install_renames_restores_the_old_dst(demo_dense, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("the previous conversion")
+    real_rename = os.rename
+
+    def interrupted_rename(a, b):
+        if Path(a).name == ".out.qconvert-partial" and Path(b) == dst:  # the old DST was just moved aside
+            raise KeyboardInterrupt
+        return real_rename(a, b)
+
+    monkeypatch.setattr(pipeline.os, "rename", interrupted_rename)
+    r, out = cli("mxfp8", demo_dense, dst, "--force", "--no-progress")
+    assert r.exit_code == 130, out
+    assert sorted(p.name for p in dst.iterdir()) == ["old.txt"]
+    assert not any(".qconvert-old-" in p.name for p in tmp_path.iterdir())

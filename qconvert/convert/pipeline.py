@@ -467,11 +467,12 @@ def _install(tmp: Path, dst: Path, force: bool = True):
         if not stat.S_ISDIR(st.st_mode):  # a link or a file put there since _check_dst
             raise OutputError(f"{dst}: is not a directory (a symbolic link?); choose another DST")
         old = _check_old_free(dst)
-        os.rename(dst, old)
     try:
-        os.rename(tmp, dst)
-    except OSError:
         if old is not None:
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+    except BaseException:  # OSError, or Ctrl-C between the renames
+        if old is not None and _lstat(dst) is None and _lstat(old) is not None:
             try:
                 os.rename(old, dst)
             except OSError as e:

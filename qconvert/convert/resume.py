@@ -122,7 +122,8 @@ class Partial:
                "inputs": self.inputs, "outputs": self.outputs}
         tmp = self.dir / (JOURNAL_NAME + ".tmp")
         try:
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "w") as f:
                 json.dump(obj, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
