@@ -289,6 +289,12 @@ def s_input_scales_shard_leaves_ckpt(P):
     return ["nvfp4", P / "model", P / "out", "--input-scales-from", other]
 
 
+def s_verify_src_shard_leaves_src(P):
+    pipeline.convert(str(P / "model"), P / "out", "mxfp8", pipeline.ConvertOptions(progress=False))
+    _link_out(P, _first_shard(P / "model").name)
+    return ["verify", P / "model", P / "out"]
+
+
 def _to_pickle(m: Path):
     sd = {}
     for f in sorted(m.glob("*.safetensors")):
@@ -333,6 +339,7 @@ CASES = [
     (s_demo_bf16_is_link, "is a symbolic link"),
     (s_unshuffle_tmp_is_link, "is a symbolic link"),
     (s_input_scales_shard_leaves_ckpt, "resolves outside"),
+    (s_verify_src_shard_leaves_src, "resolves outside"),
     (s_inspect_config_leaves_src, "resolves outside"),
     (s_inspect_index_leaves_src, "resolves outside"),
 ]
