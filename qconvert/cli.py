@@ -215,6 +215,9 @@ def demo(dst, arch, scheme, last_n_bf16, force):
     out = root / f"{scheme}-last{last_n_bf16}-bf16" if last_n_bf16 else root / scheme
     if src.exists() and not force:
         raise QConvertError(f"{src}: already exists; choose another DST or pass --force")
+    if src.is_symlink():
+        raise QConvertError(f"{src}: is a symbolic link; demo writes its model there and does not follow links: "
+                            "choose another DST")
     if src.exists():
         import shutil
         shutil.rmtree(src)

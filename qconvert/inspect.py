@@ -70,8 +70,9 @@ class CheckpointFiles:
 
 
 def _load_json(path: Path, what: str) -> dict:
+    from .convert.checkpoint import read_member_json
     try:
-        obj = json.loads(path.read_text())
+        obj = read_member_json(path.parent, path)  # guarded: inside the checkpoint, a regular file
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); restore the {what}") from None
     if not isinstance(obj, dict):
@@ -117,7 +118,8 @@ def read_checkpoint(path: str | Path) -> CheckpointFiles:
             problems.append(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index")
     if not files:
         raise CheckpointError(f"{root}: no .safetensors weights found")
-    shards = [read_header(root / rel) for rel in files]
+    from .convert.checkpoint import guard
+    shards = [read_header(guard(root, root / rel)) for rel in files]
     tensors: dict[str, TensorEntry] = {}
     shard_of: dict[str, str] = {}
     for h in shards:

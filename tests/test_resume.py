@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from qconvert.cli import main
 from qconvert.convert import pipeline
 from qconvert.convert.demo import build_demo_model
-from qconvert.convert.resume import JOURNAL_NAME, LOCK_NAME, partial_dir
+from qconvert.convert.resume import JOURNAL_NAME, partial_dir
 from qconvert.convert.safetensors_io import ShardReader
 
 EPOCH = "1700000000"
@@ -218,8 +218,8 @@ def test_a_second_process_on_the_same_dst_is_refused(src, tmp_path):
     dst = tmp_path / "out"
     part = partial_dir(dst)
     part.mkdir()
-    fd = os.open(part / LOCK_NAME, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # as a live conversion holds it
+    fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a live conversion holds it: the directory itself
     try:
         code, out = cli("mxfp8", src, dst, "--no-progress", "--resume")
     finally:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .safetensors_io import Header, TensorEntry, read_header
+from .safetensors_io import Header, TensorEntry, file_kind, open_regular, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -23,7 +24,8 @@ class Checkpoint:
     shards: list[Header]  # in index order (sorted shard names)
     source_id: str  # what the user typed (path or repo id)
     revision: str | None = None
-    extra_files: list[Path] = field(default_factory=list)  # copied verbatim
+    extra_files: list[Path] = field(default_factory=list)  # copied verbatim (inside root, subfolders too)
+    extra_dirs: list[Path] = field(default_factory=list)  # folders of root created in the output (empty ones too)
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -90,13 +92,87 @@ def _check_inside(root: Path, p: Path, hub: bool):
                               "(copy the file into the checkpoint directory)") from None
 
 
+def guard(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False) -> Path:
+    """The one guarded way to name a file of a checkpoint before reading it: ``p`` must stay inside
+    ``root`` once symlinks are resolved (a symlink inside the root that points inside the root is
+    fine; a Hub snapshot may point into its own blob store) and must be a regular file. Anything
+    else is a one-line CheckpointError naming the file. Returns ``p``; open it with
+    :func:`open_member` (or :func:`safetensors_io.open_regular`), which refuses a FIFO or device
+    swapped in since."""
+    root, p = Path(root), Path(p)
+    _check_inside(root, p, hub)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: not found (a dangling symlink?); restore the file") from None
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{p}: is {file_kind(mode)}, not a regular file; put the real file there")
+    return p
+
+
+def open_member(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False):
+    """:func:`guard` then open for binary reading (a regular file only: no hang on a FIFO)."""
+    return open_regular(guard(root, p, hub))
+
+
+def read_member_json(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False):
+    """Parsed JSON of a guarded checkpoint file (ValueError / UnicodeDecodeError as json raises them)."""
+    with open_member(root, p, hub) as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+#: Weights of other frameworks or formats, never copied into the output (wherever they are).
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".onnx", ".onnx_data", ".gguf", ".h5", ".msgpack", ".tflite", ".ot")
+#: Top-level folders that hold exports of the same weights in other formats (not copied).
+OTHER_EXPORT_DIRS = {"onnx", "openvino", "original", "coreml"}
+
+
+def extra_members(root: Path, hub: bool = False, dirs: list[Path] | None = None) -> list[Path]:
+    """Every file of the checkpoint that is copied into the output verbatim: all files and
+    folders of ``root`` (e.g. sentence-transformers' ``1_Pooling/``) except the weights being
+    converted (top-level ``*.safetensors`` and pickles), the files qconvert rewrites
+    (:data:`REWRITTEN`, weight indexes), hidden entries (``.cache``, ``.git``), ``*.lock``, weights
+    in other formats (:data:`OTHER_WEIGHT_SUFFIXES`; a subfolder's ``.safetensors`` / ``.bin``,
+    e.g. a sentence-transformers ``2_Dense/``, is copied) and exports in :data:`OTHER_EXPORT_DIRS`.
+    Every entry is checked with :func:`guard`: a symlink that leaves ``root`` is an error, a
+    symlinked folder inside it is followed once (no cycles)."""
+    out: list[Path] = []
+    seen = {root.resolve()}
+
+    def walk(d: Path, top: bool):
+        for p in sorted(d.iterdir()):
+            name = p.name
+            if name.startswith(".") or name.endswith(".lock"):
+                continue
+            if top and (name in REWRITTEN or name.endswith((".safetensors", ".index.json")) or name in OTHER_EXPORT_DIRS):
+                continue
+            _check_inside(root, p, hub)
+            if p.is_dir():
+                real = p.resolve()
+                if real not in seen:
+                    seen.add(real)
+                    if dirs is not None:
+                        dirs.append(p)
+                    walk(p, False)
+                continue
+            if name.endswith(OTHER_WEIGHT_SUFFIXES if top else OTHER_WEIGHT_SUFFIXES[3:]):
+                continue
+            out.append(guard(root, p, hub))
+
+    walk(root, True)
+    return out
+
+
 def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
     root, rev = resolve_source(src, allow_download)
+    hub = rev is not None
     cfg_path = root / "config.json"
-    if not cfg_path.is_file():
+    if not os.path.lexists(cfg_path):
         raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = read_member_json(root, cfg_path, hub)
         if not isinstance(config, dict):
             raise ValueError("not an object")
     except (ValueError, UnicodeDecodeError) as e:
@@ -106,9 +182,9 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
         raise CheckpointError(f"{cfg_path}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts BF16 checkpoints")
 
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if os.path.lexists(index_path):
         try:
-            index = json.loads(index_path.read_text())
+            index = read_member_json(root, index_path, hub)
             wmap = index["weight_map"]
             if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
                 raise ValueError("weight_map must map tensor names to shard file names")
@@ -116,13 +192,13 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
             raise CheckpointError(f"{index_path}: malformed index ({e}); re-download it") from None
         shard_names = sorted(set(wmap.values()))
         for rel in shard_names:
-            _check_inside(root, _safe_member(root, rel, index_path), rev is not None)
+            _check_inside(root, _safe_member(root, rel, index_path), hub)
         shards = []
         for rel in shard_names:
             p = root / rel
-            if not p.is_file():
+            if not os.path.lexists(p):
                 raise CheckpointError(f"{p}: shard listed in {INDEX_NAME} is missing; re-download the checkpoint")
-            shards.append(read_header(p))
+            shards.append(read_header(guard(root, p, hub)))
         seen: dict[str, Path] = {}
         for h in shards:
             for name in h.entries:
@@ -140,8 +216,7 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     else:
         files = sorted(root.glob("*.safetensors"))
         if len(files) == 1:
-            _check_inside(root, files[0], rev is not None)
-            shards = [read_header(files[0])]
+            shards = [read_header(guard(root, files[0], hub))]
         elif len(files) > 1:
             raise CheckpointError(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index or keep one file")
         else:
@@ -155,13 +230,10 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
         raise CheckpointError(f"{root}: the checkpoint holds no tensors (empty model)")
 
     shard_paths = {h.path.resolve() for h in shards}
-    extra = []
-    for p in sorted(root.iterdir()):
-        if p.is_file() and p.name not in REWRITTEN and p.resolve() not in shard_paths and not p.name.endswith(
-                (".safetensors", ".bin", ".pt", ".pth", ".lock")) and not p.name.startswith("."):
-            _check_inside(root, p, rev is not None)
-            extra.append(p)
-    return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra)
+    dirs: list[Path] = []
+    extra = [p for p in extra_members(root, hub, dirs) if p.resolve() not in shard_paths]
+    return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra,
+                      extra_dirs=dirs)
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -172,7 +244,8 @@ def pickle_files(src: str) -> list[Path]:
     root = Path(src).expanduser()
     if not root.is_dir() or any(root.glob("*.safetensors")):
         return []
-    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
+    # guarded: a .bin symlink that leaves SRC is an error, a FIFO one too (torch.load would block)
+    return sorted(guard(root, p) for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES and not p.is_dir()
                   and not p.name.startswith(("optimizer", "scheduler", "training_args", "rng_state")))
 
 
@@ -197,7 +270,10 @@ def pickle_to_safetensors(src: str, out: Path) -> Path:
     total = 0
     for i, f in enumerate(files):
         try:
-            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+            with open_member(root, f) as fh:
+                sd = torch.load(fh, map_location="cpu", weights_only=True, mmap=False)
+        except CheckpointError:
+            raise
         except Exception as e:  # UnpicklingError for anything but tensors and containers
             msg = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
             raise CheckpointError(f"{f}: refused by torch.load(weights_only=True): {msg}; "
@@ -220,9 +296,15 @@ def pickle_to_safetensors(src: str, out: Path) -> Path:
     if n > 1:
         (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(wmap.items()))}, indent=2))
-    for p in root.iterdir():
-        if p.is_file() and p.suffix not in PICKLE_SUFFIXES and not p.name.endswith(".index.json") \
-                and not p.is_symlink():
-            shutil.copy2(p, out / p.name)
+    # config.json and every file convert copies (extra_members, guarded), folders included
+    cfg = [guard(root, root / "config.json")] if os.path.lexists(root / "config.json") else []
+    dirs: list[Path] = []
+    extra = extra_members(root, dirs=dirs)
+    for d in dirs:
+        (out / d.relative_to(root)).mkdir(parents=True, exist_ok=True)
+    for p in cfg + extra:
+        dest = out / p.relative_to(root)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, dest)
     return out
 

@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import shutil
+import stat
 import threading
 import time
 from collections import deque
@@ -290,8 +291,9 @@ def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
     if not files:
         raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
     found: dict[str, torch.Tensor] = {}
+    from .checkpoint import guard
     for f in files:
-        h = read_header(f)
+        h = read_header(guard(root, f))  # inside that checkpoint, a regular file
         names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
         if not names:
             continue
@@ -396,11 +398,41 @@ def prepare(src: str, scheme: str, opts: ConvertOptions):
 
 # ---- output directory handling ------------------------------------------------------------------
 
-def _check_dst(dst: Path, force: bool):
-    if dst.exists() and not force:
+def _lstat(p: Path):
+    try:
+        return os.lstat(p)
+    except FileNotFoundError:
+        return None
+
+
+def _check_not_overlapping(src_root: Path, dst: Path):
+    """Refuse a DST that is SRC, lies inside it or contains it, compared on real paths (symlinks
+    resolved, on DST and on its parent), with or without --force: replacing DST would delete the
+    source, or the conversion would be written into the checkpoint it reads."""
+    s = Path(os.path.realpath(src_root))
+    for d in {Path(os.path.realpath(dst)), Path(os.path.realpath(dst.parent)) / dst.name}:
+        if d == s or s in d.parents or d in s.parents:
+            what = "is SRC" if d == s else ("lies inside SRC" if s in d.parents else "contains SRC")
+            raise OutputError(f"{dst}: DST {what} ({src_root}); choose a DST outside the source checkpoint "
+                              "(--force never replaces or writes into the source)")
+
+
+def _check_dst(dst: Path, force: bool, src: str | None = None):
+    """Every command that writes a DST from a SRC passes here (convert, and so mxfp8, nvfp4, bf16,
+    demo; unshuffle). ``src``: the source, checked against DST when it is a local directory (a Hub
+    source is checked once resolved, in :func:`_convert`)."""
+    if src is not None and Path(src).expanduser().is_dir():
+        _check_not_overlapping(Path(src).expanduser(), dst)
+    st = _lstat(dst)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise OutputError(f"{dst}: is a symbolic link; qconvert does not write through or replace links: "
+                          "choose another DST")
+    if st is not None and not force:
         raise OutputError(f"{dst}: already exists; choose another DST or pass --force to replace it")
-    if dst.exists() and not dst.is_dir():
+    if st is not None and not stat.S_ISDIR(st.st_mode):
         raise OutputError(f"{dst}: exists and is not a directory; remove it or choose another DST")
+    if st is not None:
+        _check_old_free(dst)
     parent = dst.parent
     if not parent.exists():
         raise OutputError(f"{parent}: parent directory of DST does not exist; create it first")
@@ -408,19 +440,47 @@ def _check_dst(dst: Path, force: bool):
         raise OutputError(f"{parent}: not writable; choose a DST in a writable directory")
 
 
+def _check_old_free(dst: Path) -> Path:
+    """The path an existing DST is moved to while --force installs the new one; nothing may be there."""
+    old = dst.parent / f".{dst.name}.qconvert-old-{os.getpid()}"
+    if _lstat(old) is not None:
+        raise OutputError(f"{old}: already exists (left by an interrupted --force run: the DST it replaced); "
+                          "move it away, then rerun")
+    return old
+
+
 def _tmp_dir(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
 
 
-def _install(tmp: Path, dst: Path):
-    """Rename the finished temp dir into place; an existing DST (--force) is replaced last."""
+def _install(tmp: Path, dst: Path, force: bool = True):
+    """Rename the finished directory ``tmp`` into place. Call it holding the writer lock (the rename
+    is the last thing done under it). An existing DST (--force) is moved aside first and deleted
+    last; if the second rename fails, it is moved back, so a failure never leaves no DST. Nothing
+    here follows a symlink: DST and the old-DST path are checked with lstat."""
+    st = _lstat(dst)
     old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.qconvert-old-{os.getpid()}"
-        os.rename(dst, old)
-    os.rename(tmp, dst)
+    if st is not None:
+        if not force:
+            raise OutputError(f"{dst}: appeared while converting (another process?); pass --force to replace it "
+                              "or choose another DST")
+        if not stat.S_ISDIR(st.st_mode):  # a link or a file put there since _check_dst
+            raise OutputError(f"{dst}: is not a directory (a symbolic link?); choose another DST")
+        old = _check_old_free(dst)
+    try:
+        if old is not None:
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+    except BaseException:  # OSError, or Ctrl-C between the renames
+        if old is not None and _lstat(dst) is None and _lstat(old) is not None:
+            try:
+                os.rename(old, dst)
+            except OSError as e:
+                raise OutputError(f"{dst}: cannot move the finished output into place nor restore the "
+                                  f"previous DST ({e.strerror}); the previous DST is in {old}") from None
+        raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # a directory we renamed; rmtree never follows links in it
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -500,7 +560,7 @@ def convert(src: str, dst: str | os.PathLike | None, scheme: str = "mxfp8",
         if dst is None:
             raise OutputError("DST is required unless --dry-run")
         dst = Path(dst).expanduser().absolute()
-        _check_dst(dst, opts.force)
+        _check_dst(dst, opts.force, src)
     pickled = _materialize_pickles(src, dst, opts)
     try:
         return _convert(src if pickled is None else str(pickled), src, dst, scheme, opts, t0)
@@ -516,6 +576,10 @@ def _materialize_pickles(src: str, dst: Path | None, opts: ConvertOptions) -> Pa
     import tempfile
     base = Path(tempfile.mkdtemp(prefix="qconvert-pickle-")) if dst is None else dst.parent
     out = base / (f".{dst.name}.qconvert-pickle-src" if dst is not None else "src")
+    st = _lstat(out)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{out}: exists and is not a directory (a symbolic link?); qconvert writes its "
+                          "safetensors copy of the pickles there: move it away")
     shutil.rmtree(out, ignore_errors=True)
     try:
         return pickle_to_safetensors(src, out)
@@ -528,6 +592,10 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
     ckpt, plan, dialect, jobs = prepare(read_src, scheme, opts)
     if read_src != src:
         ckpt.source_id = src  # the manifest names what the user converted, not the safetensors copy
+    elif dst is not None and not opts.dry_run:
+        # a Hub source, now resolved: its whole repo cache (snapshots/ and the blobs/ they point into)
+        root = ckpt.root.resolve().parents[1] if ckpt.revision is not None else ckpt.root
+        _check_not_overlapping(root, dst)
     rows = plan_rows(ckpt, plan, jobs)
     bytes_in = sum(r.bytes_in for r in rows)
     bytes_out = sum(r.bytes_out for r in rows)
@@ -549,9 +617,12 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
         _write_metadata(ckpt, plan, jobs, scheme, dialect, tmp, opts, input_sha, output_sha, created=part.created)
         part.finish()
         try:
-            _install(tmp, dst)
-        except OSError as e:
-            raise OutputError(f"{dst}: cannot move the finished output into place ({e.strerror}); it is in {tmp}") from None
+            _install(tmp, dst, opts.force)  # under the lock: released only once DST is in place
+        except (OSError, OutputError) as e:
+            part.unfinish()  # the journal back, so that --resume keeps every shard
+            if isinstance(e, OutputError):
+                raise
+            raise OutputError(f"{dst}: cannot move the finished output into place ({e.strerror})") from None
         part.release()
     except OutputError as e:
         part.release()
@@ -921,8 +992,10 @@ def _write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], scheme: str, 
                 total += _nbytes(o)
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
                                        "weight_map": dict(sorted(weight_map.items()))})
-    for p in ckpt.extra_files:
-        shutil.copy2(p, tmp / p.name)
+    for d in ckpt.extra_dirs:  # folders of SRC (sentence-transformers' 1_Pooling/, 2_Normalize/, ...)
+        (tmp / d.relative_to(ckpt.root)).mkdir(parents=True, exist_ok=True)
+    for p in ckpt.extra_files:  # files of SRC, subfolders too, guarded (checkpoint.extra_members)
+        shutil.copy2(p, tmp / p.relative_to(ckpt.root))
 
     manifest = {
         "qconvert_version": __version__,

@@ -15,8 +15,14 @@ when everything is written. The directory holds a journal, ``.qconvert-journal.j
 ``--resume`` checks the fingerprint against the command, re-hashes every journaled output shard and
 keeps those that match (under ``--no-checksums``, part of the fingerprint, those of the right size); all other files in the directory are deleted and redone. A journaled shard
 whose jobs need nothing from other shards is not read again: its input checksum comes from the
-journal. Without ``--resume`` a leftover partial directory is an error with a hint. An flock on
-``.qconvert-lock`` keeps two processes from writing the same DST.
+journal. Without ``--resume`` a leftover partial directory is an error with a hint.
+
+An flock on the partial directory itself (opened with O_NOFOLLOW) keeps two processes from writing
+the same DST. It is held until the directory has been renamed to DST (the lock follows the inode),
+so a second ``--resume`` can never take over a directory that is being installed; a process that
+opened the directory just before that rename sees, once locked, that the path no longer names it.
+Nothing here follows a symlink: a link in place of the partial directory, its journal or a shard is
+refused or deleted, never read through.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 from dataclasses import asdict
 from pathlib import Path
@@ -37,7 +44,7 @@ from ..errors import OutputError
 from .safetensors_io import sha256_file
 
 JOURNAL_NAME = ".qconvert-journal.json"
-LOCK_NAME = ".qconvert-lock"
+LOCK_NAME = ".qconvert-lock"  # no longer written (the directory itself is locked); removed if found
 JOURNAL_FORMAT = 1
 #: ConvertOptions fields that change no output byte, so a resume may differ in them.
 NOT_IN_FINGERPRINT = frozenset({"device", "force", "dry_run", "progress", "queue_bytes", "fsync", "resume"})
@@ -68,7 +75,8 @@ def fingerprint(ckpt, scheme: str, dialect: str, opts) -> dict:
     options["scheme"], options["dialect"] = scheme, dialect
     options = json.loads(json.dumps(options, sort_keys=True, default=str))
     files = {h.path.name: _stat(h.path) for h in ckpt.shards}
-    files.update({p.name: _stat(p) for p in ckpt.extra_files})
+    # extra files by their path inside SRC (top-level ones: their name, as before)
+    files.update({p.relative_to(ckpt.root).as_posix(): _stat(p) for p in ckpt.extra_files})
     config = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
     return {"qconvert_version": __version__, "source_id": ckpt.source_id, "revision": ckpt.revision,
             "config_sha256": config, "options": options, "files": files}
@@ -114,7 +122,8 @@ class Partial:
                "inputs": self.inputs, "outputs": self.outputs}
         tmp = self.dir / (JOURNAL_NAME + ".tmp")
         try:
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "w") as f:
                 json.dump(obj, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
@@ -147,12 +156,18 @@ class Partial:
 
     # -- end of life ----------------------------------------------------------------------------
     def finish(self):
-        """Drop the journal and lock file so that the directory holds exactly the output."""
-        for n in (JOURNAL_NAME, LOCK_NAME):
-            try:
-                os.unlink(self.dir / n)
-            except FileNotFoundError:
-                pass
+        """Drop the journal so that the directory holds exactly the output (the lock stays held)."""
+        try:
+            os.unlink(self.dir / JOURNAL_NAME)
+        except FileNotFoundError:
+            pass
+
+    def unfinish(self):
+        """The journal back after a failed install, so that ``--resume`` keeps every shard."""
+        try:
+            self._save()
+        except OutputError:
+            pass
 
     def release(self):
         if self._lock_fd is not None:
@@ -165,18 +180,46 @@ class Partial:
 
 
 def _lock(d: Path, dst: Path) -> int:
+    """flock the partial directory ``d`` itself; it must still be the directory at ``d`` once locked."""
+    busy = f"{d}: another qconvert process is writing {dst}; wait for it or choose another DST"
     try:
-        fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:  # renamed to DST by the process that held it
+        raise OutputError(busy) from None
     except OSError as e:
-        raise OutputError(f"{d}: cannot create the lock file ({e.strerror}); check permissions and free space") from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OutputError(_not_a_dir(d)) from None
+        raise OutputError(f"{d}: cannot open the output directory ({e.strerror}); check permissions") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise OutputError(f"{d}: another qconvert process is writing {dst}; wait for it or choose another DST") from None
+            raise OutputError(busy) from None
         raise OutputError(f"{d}: cannot lock ({e.strerror})") from None
+    st, now = os.fstat(fd), _lstat(d)
+    if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise OutputError(busy)
     return fd
+
+
+def _lstat(p: Path):
+    try:
+        return os.lstat(p)
+    except FileNotFoundError:
+        return None
+
+
+def _not_a_dir(d: Path) -> str:
+    # never suggest a command that could delete a link's target
+    return (f"{d}: exists and is not a directory (a symbolic link or a file); qconvert keeps its partial output "
+            "there and does not follow links: move it away or choose another DST")
+
+
+def _regular(p: Path) -> bool:
+    st = _lstat(p)
+    return st is not None and stat.S_ISREG(st.st_mode)
 
 
 def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
@@ -185,9 +228,10 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
     resume = bool(getattr(opts, "resume", False))
     fp = fingerprint(ckpt, scheme, dialect, opts)
     notes: list[str] = []
-    if os.path.lexists(d) and not d.is_dir():
-        raise OutputError(f"{d}: exists and is not a directory; remove it")
-    existed = d.is_dir()
+    st = _lstat(d)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise OutputError(_not_a_dir(d))
+    existed = st is not None
     if not existed:
         try:
             os.mkdir(d)
@@ -203,8 +247,10 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             raise OutputError(f"{d}: left by an interrupted conversion to {dst}; rerun the same command with "
                               "--resume to continue it, or delete that directory to start over")
         created, inputs, outputs = None, {}, {}
-        if existed and journal.is_file():
+        if existed and os.path.lexists(journal):
             try:
+                if not _regular(journal):
+                    raise ValueError("not a regular file")
                 old = json.loads(journal.read_text())
                 if not isinstance(old, dict) or old.get("format") != JOURNAL_FORMAT:
                     raise ValueError("unknown journal format")
@@ -223,7 +269,7 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             by_size = not opts.output_checksums
             for name, rec in sorted(recorded.items()):
                 p = d / name
-                ok = (isinstance(rec, dict) and name in inputs and "/" not in name and p.is_file()
+                ok = (isinstance(rec, dict) and name in inputs and "/" not in name and _regular(p)
                       and p.stat().st_size == rec.get("size"))
                 if ok and not by_size:
                     ok = sha256_file(p) == rec.get("sha256")
@@ -237,7 +283,7 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
             notes.append("resume: no interrupted conversion found; started from the beginning")
         # Whatever is not a verified shard is rewritten: remove it so DST holds only this run's files.
         for p in d.iterdir():
-            if p.name in outputs or p.name in (LOCK_NAME, JOURNAL_NAME):
+            if p.name in outputs or p.name == JOURNAL_NAME:
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)

@@ -22,6 +22,7 @@ import queue
 import re
 import threading
 import weakref
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,12 +94,45 @@ def _unique_keys(pairs):
     return out
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """'a FIFO', 'a directory', ... for a non-regular file's st_mode."""
+    return next((k for test, k in _KINDS if test(mode)), "a special file")
+
+
+def open_regular(path: str | os.PathLike, buffering: int = -1):
+    """Open ``path`` for binary reading, refusing anything but a regular file with a one-line
+    CheckpointError. Opened non-blocking and checked with fstat before any read, so a FIFO (or a
+    device) put in place of a shard is an error, not a hang; blocking again once it is known to be
+    a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found; check the checkpoint path or re-download it") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied; make the file readable") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: is {file_kind(mode)}, not a regular file; put the real file there")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate a safetensors header. Raises CheckpointError naming the problem."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise _fail(path, f"file is {size} bytes, too short for a safetensors header (truncated?)")
@@ -162,7 +196,7 @@ class ShardReader:
 
     def __init__(self, header: Header, hash_file: bool = True, mapped: bool = False, pinned=frozenset()):
         self.header = header
-        self._f = open(header.path, "rb", buffering=0)
+        self._f = open_regular(header.path, buffering=0)
         self._hash = BackgroundSha256() if hash_file else None
         self._hashed_to = 0
         #: map each tensor instead of copying it (one mapping per tensor, released with it: callers
@@ -368,7 +402,7 @@ def sha256_file(path: str | os.PathLike, cancel: threading.Event | None = None) 
     the process's resident memory does not grow by the file's size."""
     h = hashlib.sha256()
     buf = memoryview(bytearray(1 << 20))
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         while n := f.readinto(buf):
             if cancel is not None and cancel.is_set():
                 return None

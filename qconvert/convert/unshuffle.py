@@ -22,17 +22,21 @@ from .safetensors_io import ShardReader, ShardWriter, read_header, sha256_file
 
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
-    src, dst = Path(src), Path(dst).absolute()
+    from .checkpoint import guard, read_member_json
+    from .pipeline import _check_dst, _install
+
+    src, dst = Path(src), Path(dst).expanduser().absolute()
+    _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it
     man_path = src / "qconvert.json"
     try:
-        manifest = json.loads(man_path.read_text())
+        if not os.path.lexists(man_path):
+            raise FileNotFoundError
+        manifest = read_member_json(src, man_path)
     except FileNotFoundError:
         raise CheckpointError(f"{man_path}: missing; unshuffle needs a checkpoint written by qconvert --layout") from None
     layout = manifest.get("layout")
     if not layout:
         raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its qconvert.json has no layout section)")
-    if dst.exists() and not force:
-        raise OutputError(f"{dst}: already exists; choose another DST or pass --force")
     engine, tp, ep = layout["engine"], layout["tp"], layout["ep"]
     dialect = manifest.get("dialect")
     scale_suffix = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
@@ -47,6 +51,8 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                                   "scales (layouts.md), so the plain scales cannot be recovered; re-convert from BF16")
 
     tmp = dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
+    if os.path.islink(tmp):
+        raise OutputError(f"{tmp}: is a symbolic link where unshuffle writes its output; move it away")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     n_layers = n_tensors = 0
@@ -54,7 +60,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     total = 0
     try:
         for f in sorted(src.glob("*.safetensors")):
-            h = read_header(f)
+            h = read_header(guard(src, f))
             tensors: dict[str, torch.Tensor] = {}
             with ShardReader(h, hash_file=False) as r:
                 for e, t in r.iter_tensors():
@@ -111,7 +117,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
             w.close()
         for p in sorted(src.iterdir()):
             if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, "qconvert.json"):
-                shutil.copy2(p, tmp / p.name)
+                shutil.copy2(guard(src, p), tmp / p.name)
         if (src / INDEX_NAME).exists():
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                       "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
@@ -120,9 +126,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
         manifest["unshuffled_from"] = str(src)
         manifest["outputs"] = {"sha256": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}}
         (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
+        _install(tmp, dst, force)  # the old DST moved aside, restored if the rename fails
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

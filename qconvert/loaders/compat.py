@@ -12,6 +12,7 @@ safetensors headers; no tensor data is read).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,11 @@ class ReloadIncompatible(QConvertError):
 
 
 def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
+    from qconvert.convert.checkpoint import read_member_json
+    if not os.path.lexists(path):
         return None
+    try:
+        return read_member_json(path.parent, path)  # guarded: inside the checkpoint, a regular file
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise QConvertError(f"{path}: unreadable JSON ({e}); restore the file") from None
 
@@ -62,12 +64,13 @@ def _manifest(d: Path) -> dict | None:
 
 
 def _tensors(d: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from qconvert.convert.checkpoint import guard
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
         raise QConvertError(f"{d}: no *.safetensors files; is it a checkpoint directory?")
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for p in shards:
-        for name, e in read_header(p).entries.items():
+        for name, e in read_header(guard(d, p)).entries.items():
             out[name] = (e.dtype, tuple(e.shape))
     return out
 

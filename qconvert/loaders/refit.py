@@ -63,7 +63,7 @@ def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, t
     from qconvert.convert.safetensors_io import read_header
 
     root = Path(reference)
-    config = json.loads((root / "config.json").read_text())
+    config = staging._read_config(root)  # guarded, as every checkpoint read
     inv = {}
     for shard in staging._shards(root):
         for e in read_header(shard).entries.values():

@@ -14,13 +14,18 @@ Layout of a staging area (directory mode 0700, every file mode 0600, owned by th
   shape, the *layout contract* (architecture, ``quantization_config``, digest of the tensor names,
   dtypes and shapes) and ``manifest_sha256`` over all of that.
 
-An area is built in a hidden temporary directory and renamed into place when complete, so a
-half-written area never looks complete. :func:`open_area` refuses an area whose manifest checksum,
+An area is built in a hidden temporary directory (``.NAME.tmp-XXXXXXXX``, flocked while being
+written) and renamed into place when complete, so a half-written area never looks complete; one
+left by a killed ``stage`` is listed by :func:`list_areas` as incomplete and removed by
+:func:`drop_area`. Every file of the source checkpoint is read through the checkpoint's guard
+(:func:`qconvert.convert.checkpoint.guard`): nothing outside CKPT is read, even through a symlink,
+and a FIFO or device in place of a file is an error. Nothing under the staging root follows links. :func:`open_area` refuses an area whose manifest checksum,
 file checksums, permissions, alignment or (when given) layout contract do not match.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -134,34 +139,48 @@ def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
     return layout_contract(config, tensors, read_layout(root))
 
 
+def _guarded(root: Path, p: Path) -> Path:
+    """``p`` through the checkpoint guard (inside ``root`` after resolving links, a regular file)."""
+    from qconvert.convert.checkpoint import guard
+
+    return guard(root, p)
+
+
+def _read_guarded(root: Path, p: Path) -> bytes:
+    from qconvert.convert.checkpoint import open_member
+
+    with open_member(root, p) as f:
+        return f.read()
+
+
 def _read_config(root: Path) -> dict:
+    p = root / "config.json"
+    if not os.path.lexists(p):
+        raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory")
     try:
-        return json.loads((root / "config.json").read_text())
-    except FileNotFoundError:
-        raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory") from None
+        return json.loads(_read_guarded(root, p))
     except (ValueError, UnicodeDecodeError) as e:
         raise StagingError(f"{root}/config.json: not valid JSON ({e}); fix or re-export it") from None
 
 
 def _shards(root: Path) -> list[Path]:
     index = root / INDEX
-    if index.exists():
+    if os.path.lexists(index):
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+            wm = json.loads(_read_guarded(root, index))["weight_map"]
+            names = sorted(set(wm.values()))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise StagingError(f"{index}: unreadable index ({e}); fix or re-export it") from None
-        names = sorted(set(wm.values()))
         out = []
         for n in names:
-            p = (root / n).resolve()
-            if root.resolve() not in p.parents:
+            if not isinstance(n, str) or not n or os.path.isabs(n) or ".." in n.split("/"):
                 raise StagingError(f"{index}: shard {n!r} lies outside the checkpoint; refusing it")
-            out.append(p)
+            out.append(_guarded(root, root / n))
         return out
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
         raise StagingError(f"{root}: no .safetensors files; pass a safetensors checkpoint directory")
-    return shards
+    return [_guarded(root, p) for p in shards]
 
 
 # ----------------------------------------------------------------------------- writer
@@ -228,12 +247,17 @@ class StagingWriter:
         self.name = name
         self.root = Path(root) if root is not None else staging_root()
         self.final = self.root / name
+        _refuse_link(self.final)
         if self.final.exists() and not replace:
             raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage --drop {name}`")
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.tmp = self.root / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        _check_root(self.root)
+        self.tmp = self.root / f"{_TMP_PREFIX.format(name=name)}{uuid.uuid4().hex[:8]}"
         os.mkdir(self.tmp, 0o700)
         os.chmod(self.tmp, 0o700)
+        # held while the area is written: --list tells a running stage from one that was killed
+        self._lock_fd = os.open(self.tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self.source = source
         self.config = config
         self.layout = layout
@@ -253,6 +277,12 @@ class StagingWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def add_file(self, rel: str, data: bytes) -> None:
         """A small non-weight file (config.json, tokenizer...)."""
@@ -327,11 +357,13 @@ class StagingWriter:
         with _open_private(self.tmp / MANIFEST) as f:
             f.write(json.dumps(manifest, indent=1).encode())
         old = None
+        _refuse_link(self.final)
         if self.final.exists():
-            old = self.root / f".{self.name}.old-{uuid.uuid4().hex[:8]}"
+            old = self.root / f"{_OLD_PREFIX.format(name=self.name)}{uuid.uuid4().hex[:8]}"
             os.rename(self.final, old)
         os.rename(self.tmp, self.final)
         self._committed = True
+        self._unlock()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return StagingArea(self.final, manifest)
@@ -348,6 +380,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
     src = Path(ckpt)
     if not src.is_dir():
         raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
+    _check_name(name)
     config = _read_config(src)
     headers = [read_header(p) for p in _shards(src)]
     where: dict[str, tuple] = {}
@@ -367,8 +400,11 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
                 for n in sorted(groups[key]):
                     path, e = where[n]
                     fd = fds.get(path)
-                    if fd is None:
-                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    if fd is None:  # _shards guarded the path; open_member refuses a FIFO swapped in since
+                        from qconvert.convert.checkpoint import open_member
+                        f = open_member(src, path)
+                        fd = fds[path] = os.dup(f.fileno())
+                        f.close()
                     data = os.pread(fd, e.nbytes, e.start)
                     if len(data) != e.nbytes:
                         raise StagingError(f"{path}: tensor {n!r} is truncated; re-export the checkpoint")
@@ -378,8 +414,9 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
             for fd in fds.values():
                 os.close(fd)
         for p in sorted(src.iterdir()):
-            if p.is_file() and p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES:
-                w.add_file(p.name, p.read_bytes())
+            if p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES and not p.name.startswith(".") \
+                    and not p.is_dir():
+                w.add_file(p.name, _read_guarded(src, p))
         return w.commit()
 
 
@@ -420,9 +457,10 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
     _check_name(name)
     path = (Path(root) if root is not None else staging_root()) / name
     mpath = path / MANIFEST
+    if os.path.lexists(path):
+        _check_private(path, is_dir=True)  # before reading anything in it: a link is refused unread
     if not mpath.is_file():
         raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage CKPT {name}`")
-    _check_private(path, is_dir=True)
     _check_private(mpath)
     try:
         manifest = json.loads(mpath.read_bytes())
@@ -476,7 +514,12 @@ def list_areas(root: Path | None = None) -> list[dict]:
     if not r.is_dir():
         return out
     for p in sorted(r.iterdir()):
-        if p.name.startswith(".") or not p.is_dir():
+        left = _leftover_of(p.name)
+        if left is not None:
+            out.append({"name": left, "bytes": None, "source": "", "created": None, "ok": False,
+                        "problem": _leftover_problem(p, left)})
+            continue
+        if p.name.startswith(".") or not (p.is_dir() or p.is_symlink()):
             continue
         try:
             a = open_area(p.name, root=r, verify_data=False)
@@ -489,14 +532,76 @@ def list_areas(root: Path | None = None) -> list[dict]:
 
 
 def drop_area(name: str, root: Path | None = None) -> bool:
-    """Remove a staging area (and stale temporaries of it). Returns whether it existed."""
+    """Remove a staging area and the temporaries a killed ``stage`` of it left (not those of a
+    running one). Returns whether anything was removed. A symlink in place of the area is refused."""
     _check_name(name)
     r = Path(root) if root is not None else staging_root()
-    existed = (r / name).exists()
+    if os.path.lexists(r):
+        _check_root(r)
+    p = r / name
+    _refuse_link(p)
+    existed = p.exists()
     if existed:
-        shutil.rmtree(r / name)
-    if r.is_dir():
-        for p in r.iterdir():
-            if p.name.startswith(f".{name}.tmp-") or p.name.startswith(f".{name}.old-"):
-                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(p)
+    if r.is_dir() and not r.is_symlink():
+        for q in r.iterdir():
+            if _leftover_of(q.name) == name and not q.is_symlink() and not _being_written(q):
+                shutil.rmtree(q, ignore_errors=True)
+                existed = True
     return existed
+
+
+_TMP_PREFIX = ".{name}.tmp-"
+_OLD_PREFIX = ".{name}.old-"
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.(?:tmp|old)-[0-9a-f]{8}$")
+
+
+def _leftover_of(fname: str) -> str | None:
+    """The area name of a temporary directory of a stage (``.NAME.tmp-X`` / ``.NAME.old-X``), else None."""
+    m = _LEFTOVER_RE.match(fname)
+    return m.group("name") if m else None
+
+
+def _being_written(p: Path) -> bool:
+    """Whether a running ``stage`` holds the lock of the temporary directory ``p``."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _leftover_problem(p: Path, name: str) -> str:
+    if p.name.startswith(_TMP_PREFIX.format(name=name)) and _being_written(p):
+        return f"incomplete: being written by a running `qconvert stage` ({p})"
+    return (f"incomplete: {p} was left by an interrupted `qconvert stage`; "
+            f"`qconvert stage --drop {name}` removes it")
+
+
+def _check_root(r: Path) -> None:
+    """The staging root must be a directory of the caller's, not a link (``/dev/shm`` is shared)."""
+    st = os.lstat(r)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise StagingError(f"{r}: the staging root is not a plain directory (a symbolic link?); "
+                           "qconvert does not follow it: move it away or set QCONVERT_SHM_ROOT")
+    if st.st_uid != os.getuid():
+        raise StagingError(f"{r}: the staging root is owned by uid {st.st_uid}, not you; "
+                           "set QCONVERT_SHM_ROOT to a directory of yours")
+
+
+def _refuse_link(p: Path) -> None:
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise StagingError(f"{p}: is a symbolic link, not a staging area; qconvert does not follow links "
+                           "in the staging root (move the link away)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise StagingError(f"{p}: is not a directory, so not a staging area; move it away")
