@@ -132,6 +132,15 @@ def _interrupt_after(monkeypatch, n_closed: int):
 
     def close(self, fsync):
         if closed[0] >= n_closed:
+            # A closed shard is journaled once its input shard's digest is known too, which the
+            # source-hashing threads compute meanwhile: wait for the journal to list the shards
+            # closed so far, so that the interruption always lands at the same point.
+            journal = self.w.path.parent / JOURNAL_NAME
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if journal.exists() and len(json.loads(journal.read_text())["outputs"]) >= n_closed:
+                    break
+                time.sleep(0.02)
             raise KeyboardInterrupt
         closed[0] += 1
         return real_close(self, fsync)
