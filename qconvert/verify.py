@@ -913,11 +913,14 @@ class _Verifier:
             return  # the structure check reports it
         stored = stored.reshape(1)
         bad_g = not bool(stored.view(torch.int32).equal(want.view(torch.int32)))
-        bad_s = (ts["weight_scale"].view(torch.uint8) != scale.view(torch.uint8)).nonzero()
-        bad_q = (q.view(torch.uint8) != packed).nonzero()
-        res.exact = not bad_g and not len(bad_s) and not len(bad_q)
+        sc_got, sc_want = ts["weight_scale"].view(torch.uint8), scale.view(torch.uint8)
+        same_s = np.array_equal(sc_got.numpy(), sc_want.numpy())  # a byte compare, no temporaries
+        same_q = np.array_equal(q.view(torch.uint8).numpy(), packed.numpy())
+        res.exact = not bad_g and same_s and same_q
         if res.exact or not res.ok:
             return
+        bad_s = (sc_got != sc_want).nonzero() if not same_s else ()
+        bad_q = (q.view(torch.uint8) != packed).nonzero() if not same_q else ()
         res.ok = False
         group = f" of the group {', '.join(members)}" if len(members) > 1 else ""
         if bad_g:
