@@ -350,6 +350,7 @@ class _Verifier:
         self.r = VerifyReport(str(src), str(dst))
         self.src_arg, self.dst_arg = src, dst
         self.user_max = max_rel_err
+        self._kept_bad = 0
         self.progress = progress
         self.log = log
 
@@ -389,7 +390,21 @@ class _Verifier:
         self._check_manifest()
         self._compare_values(plan)
         self._finish_thresholds()
+        self._diagnose()
         return r
+
+    def _diagnose(self):
+        """Without a digest mismatch to name, most tensors disagreeing with SRC is itself the cause
+        to lead with (instead of one "re-run the conversion" line per tensor)."""
+        r = self.r
+        if r.diagnosis or r.ok or r.checks.get("source", "").startswith("ok"):
+            return  # digests that match: SRC is DST's source, the failures are DST's own
+        bad = sum(not t.ok for t in r.tensors) + self._kept_bad
+        total = len(r.tensors) + r.kept_identical + self._kept_bad
+        if total >= 4 and bad * 2 > total:
+            r.diagnosis = (f"{bad} of {total} tensors do not match SRC: DST was probably converted from different "
+                           "weights than SRC (no source digests to confirm it); pass the SRC DST was converted from")
+            r.failures.insert(0, r.diagnosis)
 
     def _check_config(self):
         sc, dc = self.src.config, self.dst.config
@@ -801,6 +816,7 @@ class _Verifier:
                             if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
                                 r.kept_identical += 1
                             else:
+                                self._kept_bad += 1
                                 self.fail("kept", f"tensor {e.name!r} in {h.path.name}: kept in BF16 but its bytes differ "
                                                   "from the source; re-run the conversion")
                             continue
