@@ -211,7 +211,10 @@ def _nan_last(v: float) -> float:
 
 
 def _figures(xn: float, en: float) -> tuple[float, float]:
-    """(relative error, SQNR dB) from sum x^2 and sum err^2."""
+    """(relative error, SQNR dB) from sum x^2 and sum err^2; NaN where the source's sum is not a
+    finite number (``xn > 0`` is false for NaN, which read as an exact decode)."""
+    if not math.isfinite(xn) or math.isnan(en):
+        return math.nan, math.nan
     rel = math.sqrt(en / xn) if xn > 0 else (0.0 if en == 0 else math.inf)
     if en > 0 and xn > 0:
         ratio = xn / en

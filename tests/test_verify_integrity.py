@@ -203,6 +203,15 @@ def test_tensor_nan_figure_fails(demo_dense, tmp_path, monkeypatch):
     assert "SQNR min nan dB" in format_report(r)
 
 
+@pytest.mark.parametrize("xn,en", [(math.nan, 0.0), (math.inf, 1.0), (1.0, math.nan), (math.nan, math.nan)])
+def test_figures_of_non_finite_sums_are_not_a_pass(xn, en):
+    """sum x^2 NaN with sum err^2 0 used to give rel err 0 and SQNR +inf: a perfect decode."""
+    from qconvert.verify import _figures
+
+    rel, sqnr = _figures(xn, en)
+    assert not (rel <= 0.06) and not (math.isfinite(sqnr) or sqnr == math.inf)
+
+
 # ---- item 2: NVFP4 bytes are exact -----------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", ["te", "modelopt"])
