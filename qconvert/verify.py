@@ -601,8 +601,12 @@ class _Verifier:
             return
         # figures: DST's weights and block scales through the exact inverse; NVFP4 global scales
         # from SRC's amax (DST's folded ones were compared above)
-        plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size,
-                                             tp=tp, ep=ep)
+        try:
+            plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size,
+                                                 tp=tp, ep=ep)
+        except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
+            self.fail("values", f"tensor {prefix}.*: the layout tensors cannot be decoded ({ex}); re-run the conversion")
+            return
         plain = {k: v for k, v in plain.items() if k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")}
         if scheme == "nvfp4":
             def s2(*names):
