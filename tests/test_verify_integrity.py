@@ -389,3 +389,19 @@ def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
     assert any("qconvert.json says nvfp4/auto but config and tensors say mxfp8/auto" in f for f in r.failures)
     rep = inspect_checkpoint(dst)
     assert any("says nvfp4/auto" in n for n in rep.notes)
+
+
+def test_preshuffled_layout_tensor_of_wrong_shape_is_one_line(demo_moe, tmp_path):
+    lay = run_convert(demo_moe, tmp_path / "lay", "nvfp4", "modelopt", input_mode="unit", layout="flashinfer-trtllm",
+                      engine="vllm", output_checksums=False)
+    name = "model.layers.1.mlp.experts.trtllm.w13_weight"
+    for f in lay.glob("*.safetensors"):
+        t = load_file(str(f))
+        if name in t:
+            t[name] = t[name][:, :128].contiguous()
+            save_file(t, str(f), metadata={"format": "pt"})
+    res = CliRunner().invoke(main, ["verify", str(demo_moe), str(lay)])
+    assert res.exit_code == 1 and "Traceback" not in res.output and res.exception is None or isinstance(
+        res.exception, SystemExit), res.output
+    assert f"tensor {name!r}: torch.uint8 [8, 128, 128], the layout gives torch.uint8 [8, 256, 128]" in res.output
+    assert "tensor model.layers.1.mlp.experts.*: the layout tensors cannot be decoded" in res.output
