@@ -1048,7 +1048,8 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
             unshuffle_checkpoint(dst, plain)
         except _QE as e:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
-            (log or (lambda s: None))(f"layout not invertible ({e}); comparing with SRC re-laid out instead")
+            (log or (lambda s: None))(f"layout {man['layout'].get('name')} for {man['layout'].get('engine')} is not "
+                                      "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
