@@ -129,7 +129,7 @@ def vllm_routes(state: dict, reload_fn=None, resume_fn=None) -> dict:
 
 def test_retries_with_backoff_then_reports():
     sleeps = []
-    c = HttpClient("http://127.0.0.1:9", retries=3, backoff=0.25, sleep=sleeps.append, timeout=0.5)
+    c = HttpClient("http://127.0.0.1:9", retries=3, backoff=0.25, sleep=sleeps.append, timeout=5)
     with pytest.raises(ServerUnreachable) as ei:
         c.get("/health")
     assert sleeps == [0.25, 0.5, 1.0]
@@ -303,7 +303,9 @@ def test_vllm_moe_on_cpu_needs_extension(ckpt):
 
     def rpc(body, q, h):
         if body["method"].startswith("qconvert_"):
-            return 500, {"error": {"message": f"AttributeError: no attribute {body['method']}"}}
+            return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
+                                                f"'Method {body['method']!r} is not implemented.', please check the "
+                                                "stack trace above for the root cause"}}
         return orig(body, q, h)
 
     routes[("POST", "/collective_rpc")] = rpc
