@@ -51,12 +51,11 @@ def clean(text: Any, limit: int = MAX_SHOWN, secrets: tuple[str, ...] = ()) -> s
     """``text`` safe to print on one line: ``secrets`` and anything that looks like a credential
     (``scheme://user:pass@``, ``Bearer``/``Basic`` values) replaced by ``***``, control and format
     characters escaped (``\\n``, ``\\x1b``, ``\\u202e``), cut to ``limit`` characters."""
-    s = str(text)
-    for sec in secrets:
+    s = _URL_USER.sub(r"\1***@", str(text))
+    s = _AUTH_VALUE.sub(r"\1\2***", s)
+    for sec in sorted(secrets, key=len, reverse=True):
         if sec:
             s = s.replace(sec, "***")
-    s = _URL_USER.sub(r"\1***@", s)
-    s = _AUTH_VALUE.sub(r"\1\2***", s)
     out, n = [], 0
     for i, ch in enumerate(s):
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):

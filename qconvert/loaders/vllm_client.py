@@ -329,7 +329,7 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
             raise ReloadError(f"{c.url}: --verify found no norm weights to compare with {ckpt}")
         if bad:
             raise ReloadError(f"{c.url}: --verify: {len(bad)} weights differ from {ckpt} after the reload "
-                              f"(e.g. {bad[0]}); the server did not load the new checkpoint")
+                              f"(e.g. {clean(bad[0], 120)}); the server did not load the new checkpoint")
         texts[c.url] = c.complete(VERIFY_PROMPT)
     if len(set(texts.values())) > 1:
         raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {clean(texts)}")
