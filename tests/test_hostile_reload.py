@@ -402,3 +402,32 @@ def test_via_shm_cleanup_failure_is_one_line(ckpt, tmp_path, monkeypatch, caplog
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"could not remove the staging area {tmp_path / 'shm'}/g ([Errno 13] Permission denied: "
         f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage --drop g"]
+
+
+def test_second_ctrl_c_stops_waiting_and_says_how_to_resume(ckpt, tmp_path):
+    """Ctrl-C while /pause hangs, then again while /resume hangs too: the command ends at once, exit
+    130, one line saying the server may still be paused and the command that resumes it."""
+    srv = Hostile("vllm", {("POST", "/pause"): hang, ("POST", "/resume"): hang})
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               QCONVERT_STATE_DIR=str(tmp_path / "state"))
+    proc = subprocess.Popen([sys.executable, "-c", "from qconvert.cli import main; main()", "reload", "vllm",
+                             srv.url, str(ckpt), "--timeout", "300"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for route in ("/pause", "/resume"):
+            while not srv.called(route) and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert srv.called(route), proc.communicate(timeout=10)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        wall = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    assert wall < SLACK, f"the second Ctrl-C took {wall:.1f} s to end the command"
+    assert proc.returncode == 130, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "may still be paused" in err and f"curl -X POST {srv.url}/resume" in err, err
