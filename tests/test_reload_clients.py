@@ -129,7 +129,7 @@ def vllm_routes(state: dict, reload_fn=None, resume_fn=None) -> dict:
 
 def test_retries_with_backoff_then_reports():
     sleeps = []
-    c = HttpClient("http://127.0.0.1:9", retries=3, backoff=0.25, sleep=sleeps.append, timeout=0.5)
+    c = HttpClient("http://127.0.0.1:9", retries=3, backoff=0.25, sleep=sleeps.append, timeout=5)
     with pytest.raises(ServerUnreachable) as ei:
         c.get("/health")
     assert sleeps == [0.25, 0.5, 1.0]
@@ -303,7 +303,9 @@ def test_vllm_moe_on_cpu_needs_extension(ckpt):
 
     def rpc(body, q, h):
         if body["method"].startswith("qconvert_"):
-            return 500, {"error": {"message": f"AttributeError: no attribute {body['method']}"}}
+            return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
+                                                f"'Method {body['method']!r} is not implemented.', please check the "
+                                                "stack trace above for the root cause"}}
         return orig(body, q, h)
 
     routes[("POST", "/collective_rpc")] = rpc
@@ -329,3 +331,20 @@ def test_vllm_contract_mismatch_refused_before_pause(ckpt, tmp_path):
         assert "/pause" not in srv.paths()
     finally:
         srv.close()
+
+
+def test_unreachable_url_with_credentials_is_not_printed():
+    c = HttpClient("http://alice:pw-SECRET@127.0.0.1:9", api_key=None, retries=1, sleep=lambda s: None, timeout=5)
+    assert c.url == "http://127.0.0.1:9" and c.headers()["Authorization"].startswith("Basic ")
+    with pytest.raises(ServerUnreachable) as ei:
+        c.get("/health")
+    assert "pw-SECRET" not in str(ei.value) and "alice" not in str(ei.value)
+    assert str(ei.value).startswith("http://127.0.0.1:9/health: connection failed") and not ei.value.sent
+
+
+def test_clean_bounds_and_escapes():
+    from qconvert.loaders.http import clean
+
+    s = clean("ok\n\x1b[31mFAKE\u202e line Bearer abc.def and http://u:p@h/x" + "y" * 1000, secrets=("abc",))
+    assert s.startswith("ok\\n\\x1b[31mFAKE\\u202e line Bearer *** and http://***@h/x")
+    assert s.endswith("more characters)") and len(s) < 340 and "\n" not in s

@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 
 import click
 
 from qconvert.errors import QConvertError
 
+#: deadlines when --timeout is not given: control requests / the pause and the weight load
+CONTROL_TIMEOUT = 30.0
+RELOAD_TIMEOUT = 3600.0
+
 
 def _errors(fn):
     from qconvert.cli_errors import handle_errors
-    return handle_errors(fn, interrupted="interrupted; servers were resumed")
+
+    @functools.wraps(fn)
+    def interrupted(*a, **kw):
+        from qconvert.loaders.vllm_client import ReloadInterrupted
+
+        try:
+            return fn(*a, **kw)
+        except ReloadInterrupted as e:  # says per server whether it was resumed
+            click.echo(f"error: {e}", err=True)
+            sys.exit(130)
+
+    # a Ctrl-C outside the reload threads comes before any pause or after every resume
+    return handle_errors(interrupted, interrupted="interrupted; no server was left paused")
+
+
+def _timeouts(timeout: float | None, reload_timeout: float | None) -> dict:
+    for name, v in (("--timeout", timeout), ("--reload-timeout", reload_timeout)):
+        if v is not None and not v > 0:
+            raise click.BadParameter(f"{v}: give a number of seconds above 0", param_hint=name)
+    control = CONTROL_TIMEOUT if timeout is None else timeout
+    long = reload_timeout if reload_timeout is not None else (RELOAD_TIMEOUT if timeout is None else timeout)
+    return {"timeout": control, "reload_timeout": long}
 
 
 def _common(fn):
@@ -23,9 +50,16 @@ def _common(fn):
                      help="Sent as 'Authorization: Bearer KEY' (vLLM --api-key, SGLang --api-key/--admin-api-key)."),
         click.option("--verify", is_flag=True, help="Check the servers' weights and a greedy prompt after the reload."),
         click.option("--stage-name", default=None, help="Staging area name for --via shm (default: from CKPT)."),
-        click.option("--retries", type=int, default=3, show_default=True,
-                     help="Retries (exponential backoff) on connection errors and timeouts."),
-        click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds per control request."),
+        click.option("--keep-staged", is_flag=True,
+                     help="With --via shm: keep the staging area after the reload (default: removed)."),
+        click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
+                     help="Retries (exponential backoff) on connection errors and 502/503/504, within --timeout."),
+        click.option("--timeout", type=float, default=None, metavar="SECONDS",
+                     help=f"Deadline of every request to a server, retries included [default: "
+                          f"{CONTROL_TIMEOUT:g} s; {RELOAD_TIMEOUT:g} s for the pause and the weight load]."),
+        click.option("--reload-timeout", type=float, default=None, metavar="SECONDS",
+                     help="Deadline of the pause (which waits for running requests) and of the weight load "
+                          "alone [default: --timeout if given, else 3600 s]."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -59,14 +93,15 @@ def reload():
 @click.option("--rollback", default=None, metavar="CKPT",
               help="Checkpoint the servers serve now, reloaded if the reload fails (default: found automatically).")
 @_errors
-def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, retries, timeout, pause, rollback):
+def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
+                    reload_timeout, pause, rollback):
     """Reload CKPT into vLLM servers started with VLLM_SERVER_DEV_MODE=1 (vLLM 0.32/0.33)."""
     from qconvert.loaders.vllm_client import reload_vllm
 
     urls, ckpt = _split(targets)
     _report(reload_vllm(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
-                        verify=verify, stage_name=stage_name, rollback=rollback, timeout=timeout,
-                        retries=retries), "vllm")
+                        verify=verify, stage_name=stage_name, rollback=rollback, retries=retries,
+                        keep_staged=keep_staged, **_timeouts(timeout, reload_timeout)), "vllm")
 
 
 @reload.command("sglang")
@@ -76,13 +111,15 @@ def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, r
               help="abort: abort running requests; retract: re-queue them (recomputed on the new weights); "
                    "in_place: keep them and their KV cache (cache not flushed).")
 @_errors
-def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name, retries, timeout, pause):
+def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
+                      reload_timeout, pause):
     """Reload CKPT into SGLang servers (0.5.23) through /update_weights_from_disk."""
     from qconvert.loaders.sglang_client import reload_sglang
 
     urls, ckpt = _split(targets)
     _report(reload_sglang(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
-                          verify=verify, stage_name=stage_name, timeout=timeout, retries=retries), "sglang")
+                          verify=verify, stage_name=stage_name, retries=retries, keep_staged=keep_staged,
+                          **_timeouts(timeout, reload_timeout)), "sglang")
 
 
 @click.command("stage")

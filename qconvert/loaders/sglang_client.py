@@ -37,9 +37,10 @@ import uuid
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable
+from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
 from qconvert.loaders.staging import read_layout
-from qconvert.loaders.vllm_client import ReloadError, ReloadResult, _fan_out, _resolve_source, _resume_after
+from qconvert.loaders.vllm_client import (ReloadError, ReloadResult, _drop_staged, _fan_out, _resolve_source,
+                                          _resume_after)
 
 log = logging.getLogger("qconvert.reload")
 
@@ -53,9 +54,16 @@ class SglangClient(ServerClient):
     """The weight-update routes of one SGLang server."""
 
     def model_info(self) -> dict:
-        status, body = self.http.request("GET", "/model_info", ok_status=(404,))
+        status, body = self.http.request("GET", "/model_info", ok_status=(404,), expect=dict)
+        route = "/model_info"
         if status == 404:  # older servers
-            body = self.http.get("/get_model_info")
+            route = "/get_model_info"
+            body = self.http.get(route, expect=dict)
+        if not isinstance(body, dict):
+            raise ServerError(self.url + route, status, "reply is not a JSON object")
+        mp = body.get("model_path")
+        if mp is not None and not isinstance(mp, str):
+            reply_field(self.http, route, body, "model_path", types=str)
         return body
 
     def version(self) -> str | None:
@@ -63,7 +71,7 @@ class SglangClient(ServerClient):
             body = self.http.get("/version")
         except ServerError:
             return None
-        return body.get("version") if isinstance(body, dict) else None
+        return clean(body.get("version"), 40) if isinstance(body, dict) else None
 
     def pause(self, mode: str = "abort") -> None:
         if mode not in PAUSE_MODES:
@@ -73,7 +81,11 @@ class SglangClient(ServerClient):
     RESUME_ROUTE = "/continue_generation"
 
     def resume(self) -> None:
-        self.http.post(self.RESUME_ROUTE, {}, retries=max(self.http.retries, 5))
+        self.http.post(self.RESUME_ROUTE, {}, retries=max(self.http.retries, 5), cancellable=False)
+
+    def resume_command(self) -> str:
+        return super().resume_command().replace("curl -X POST", "curl -X POST -H 'Content-Type: application/json' "
+                                                "-d '{}'", 1)
 
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True, weight_version: str | None = None,
                                  load_format: str | None = None) -> dict:
@@ -83,26 +95,28 @@ class SglangClient(ServerClient):
         if load_format is not None:
             body["load_format"] = load_format
         status, out = self.http.request("POST", "/update_weights_from_disk", json_body=body,
-                                        timeout=self.reload_timeout + 30, ok_status=(400,))
-        if not isinstance(out, dict) or not out.get("success"):
-            msg = out.get("message") if isinstance(out, dict) else str(out)
-            raise ServerError(self.url + "/update_weights_from_disk", status, msg or "success=false")
+                                        timeout=self.reload_timeout, ok_status=(400,))
+        return self._success(out, status, "/update_weights_from_disk")
+
+    def _success(self, out, status: int, route: str) -> dict:
+        if not isinstance(out, dict):
+            raise ServerError(self.url + route, status, f"reply is not a JSON object: {self.http.clean(out, 120)}")
+        if not out.get("success"):
+            msg = out.get("message")
+            raise ServerError(self.url + route, status, self.http.clean(msg) if msg else "success=false")
         return out
 
     def weights_checksum(self) -> dict:
         status, out = self.http.request("POST", "/weights_checker", json_body={"action": "checksum"},
                                         timeout=self.reload_timeout, ok_status=(400,))
-        if not isinstance(out, dict) or not out.get("success"):
-            raise ServerError(self.url + "/weights_checker", status,
-                              (out.get("message") if isinstance(out, dict) else str(out)) or "success=false")
-        return out
+        return self._success(out, status, "/weights_checker")
 
     def generate(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
         out = self.http.post("/generate", {"text": prompt, "sampling_params": {
             "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}, timeout=self.reload_timeout)
-        if isinstance(out, list):
+        if isinstance(out, list) and out:
             out = out[0]
-        return out["text"]
+        return reply_field(self.http, "/generate", out, "text", types=str)
 
 
 def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush: bool) -> ReloadResult:
@@ -111,32 +125,45 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     t0 = time.perf_counter()
     info = client.model_info()
     previous = info.get("model_path")
-    client.pause(pause)
     failure: BaseException | None = None
+    maybe_paused = False  # whether a pause request may have reached the server
     res = ReloadResult(client.url, ok=False)
     try:
+        try:
+            client.pause(pause)
+        except QConvertError as err:
+            maybe_paused = getattr(err, "sent", True)
+            raise ReloadError(f"pausing failed: {err}") from err
+        maybe_paused = True
         try:
             out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
             log.info("%s: %s", client.url, out.get("message"))
         except (ServerError, ServerUnreachable) as err:
             server_msg = err.message if isinstance(err, ServerError) else str(err)
-            rolled = False
-            if previous and previous != path:
+            # no answer at all (timeout, Ctrl-C, connection lost): the server may still be loading
+            # the checkpoint or be down; a rollback now would queue behind it or fail the same way
+            no_answer = isinstance(err, ServerUnreachable)
+            rolled, rollback_error = False, ""
+            if previous and previous != path and not no_answer:
                 try:
                     client.update_weights_from_disk(previous, flush_cache=flush,
                                                     weight_version=info.get("weight_version"))
                     rolled = True
                 except QConvertError as err2:
-                    log.error("%s: rollback to %s failed: %s", client.url, previous, err2)
+                    rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
             res.rolled_back = rolled
-            tail = (f"rolled back to {previous}; generation continued" if rolled else
+            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
+                    "interrupted; the server may still finish loading it" if client.http.cancelled else
+                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
+                    "checkpoint" if no_answer else
                     "previous weights not restored; reload a good checkpoint or restart the server")
-            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({tail})") from err
+            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
     except BaseException as e:  # noqa: BLE001 - continue generation below on every path
         failure = e
         raise
     finally:
-        _resume_after(client, failure)
+        if maybe_paused:
+            _resume_after(client, failure)
     res.ok = True
     res.weight_version = version
     res.seconds = time.perf_counter() - t0
@@ -145,34 +172,41 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
 
 def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "retract",
                   weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
-                  stage_name: str | None = None, timeout: float = 30.0, retries: int = 3,
-                  client_factory=None) -> list[ReloadResult]:
-    """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently)."""
+                  stage_name: str | None = None, timeout: float = 30.0, reload_timeout: float = 3600.0,
+                  retries: int = 3, keep_staged: bool = False, client_factory=None) -> list[ReloadResult]:
+    """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently).
+    ``via``, ``keep_staged``, ``timeout`` and ``reload_timeout`` as for :func:`reload_vllm`."""
     from qconvert.loaders.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for SGLang; use one of {', '.join(PAUSE_MODES)}")
-    path, _ = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
-    if read_layout(Path(path)) is not None:
-        raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
-                            "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
-    version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
-    flush = pause != "in_place"
-    make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout, retries=retries))
-    clients = [make(u) for u in urls]
-    results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
-    if errors:
-        raise ReloadError("; ".join(errors))
-    if verify:
-        sums, texts = {}, {}
-        for c in clients:
-            out = c.weights_checksum()
-            sums[c.url] = json.dumps(out.get("per_engine_checksum"), sort_keys=True)
-            texts[c.url] = c.generate(VERIFY_PROMPT)
-        if len(set(sums.values())) > 1:
-            raise ReloadError(f"--verify: replicas report different weight checksums: {sums}")
-        if len(set(texts.values())) > 1:
-            raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {texts}")
-        for r in results:
-            r.verify = {"greedy_text": next(iter(texts.values()), None)}
+    make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout,
+                                                     reload_timeout=reload_timeout, retries=retries))
+    clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
+    path, _, staged = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    try:
+        if read_layout(Path(path)) is not None:
+            raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
+                                "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
+        version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
+        flush = pause != "in_place"
+        results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
+        if errors:
+            raise ReloadError("; ".join(errors))
+        if verify:
+            sums, texts = {}, {}
+            for c in clients:
+                out = c.weights_checksum()
+                sums[c.url] = json.dumps(out.get("per_engine_checksum"), sort_keys=True)
+                texts[c.url] = c.generate(VERIFY_PROMPT)
+            if len(set(sums.values())) > 1:
+                raise ReloadError(f"--verify: replicas report different weight checksums: {clean(sums)}")
+            if len(set(texts.values())) > 1:
+                raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: "
+                                  f"{clean(texts)}")
+            for r in results:
+                r.verify = {"greedy_text": next(iter(texts.values()), None)}
+    finally:
+        if staged and not keep_staged:
+            _drop_staged(staged)
     return results

@@ -43,17 +43,18 @@ path this client recorded for the weight version it set (state file under
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import json
 import logging
 import os
+import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable
+from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
 
 log = logging.getLogger("qconvert.reload")
 
@@ -66,7 +67,11 @@ VERIFY_TOKENS = 12
 
 
 class ReloadError(QConvertError):
-    """A reload failed; ``message`` carries the server's text verbatim where there is one."""
+    """A reload failed; the message carries the server's own text (cleaned) where there is one."""
+
+
+class ReloadInterrupted(ReloadError):
+    """Ctrl-C during a reload; the message says, per server, whether it was resumed."""
 
 
 @dataclass
@@ -114,7 +119,7 @@ class VllmClient(ServerClient):
     # ---- info
     def version(self) -> str:
         body = self.http.get("/version")
-        return str(body.get("version")) if isinstance(body, dict) else str(body)
+        return clean(body.get("version") if isinstance(body, dict) else body, 40)
 
     def check_dev_mode(self) -> None:
         status, _ = self.http.request("GET", "/is_paused", ok_status=(404,))
@@ -123,63 +128,84 @@ class VllmClient(ServerClient):
                               f"(not in dev mode); {DEV_MODE_FIX}")
 
     def is_paused(self) -> bool:
-        return bool(self.http.get("/is_paused").get("is_paused"))
+        body = self.http.get("/is_paused", expect=dict)
+        return reply_field(self.http, "/is_paused", body, "is_paused", types=bool)
 
     def served_model(self) -> tuple[str, str]:
         """(served model name, launch checkpoint path) from /v1/models."""
-        body = self.http.get("/v1/models")
-        m = body["data"][0]
-        return m["id"], m.get("root") or m["id"]
+        body = self.http.get("/v1/models", expect=dict)
+        data = reply_field(self.http, "/v1/models", body, "data", types=list)
+        if not data:
+            raise ServerError(self.url + "/v1/models", 200, "the server lists no model (empty 'data')")
+        name = reply_field(self.http, "/v1/models", body, "data", 0, "id", types=str)
+        root = data[0].get("root") if isinstance(data[0], dict) else None
+        return name, root if isinstance(root, str) and root else name
 
     def weight_version(self) -> str:
-        return str(self.http.get("/weight_info").get("weight_version"))
+        body = self.http.get("/weight_info", expect=dict)
+        return str(reply_field(self.http, "/weight_info", body, "weight_version", types=(str, int, type(None))))
 
     def set_weight_version(self, version: str) -> None:
         self.http.post("/update_weight_version", {"new_version": version})
 
     def checksums(self) -> dict[str, str]:
         """Per-rank SHA-256 of every parameter (``/weight_checker``), keys ``dp0:pp0:pcp0:tp0:NAME``."""
-        return self.http.post("/weight_checker", {"action": "checksum"}, timeout=self.reload_timeout)["checksums"]
+        body = self.http.post("/weight_checker", {"action": "checksum"}, timeout=self.reload_timeout, expect=dict)
+        return reply_field(self.http, "/weight_checker", body, "checksums", types=dict)
 
     def complete(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
         model, _ = self.served_model()
         body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0.0}, timeout=self.reload_timeout)
-        return body["choices"][0]["text"]
+                                                  "temperature": 0.0}, timeout=self.reload_timeout, expect=dict)
+        return reply_field(self.http, "/v1/completions", body, "choices", 0, "text", types=str)
 
     # ---- control
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise QConvertError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        # /pause with mode=wait lasts until running requests finish: the long deadline
         self.http.post("/pause", params={"mode": mode}, timeout=self.reload_timeout)
 
     RESUME_ROUTE = "/resume"
 
     def resume(self) -> None:
-        self.http.post(self.RESUME_ROUTE, retries=max(self.http.retries, 5))
+        # not cancellable: after Ctrl-C the resume must still go out
+        self.http.post(self.RESUME_ROUTE, retries=max(self.http.retries, 5), cancellable=False)
+
+    def _rpc_timeout(self) -> float:
+        """The server-side ``collective_rpc`` timeout: a little inside the HTTP deadline, so that the
+        server's own timeout message arrives before the client gives up."""
+        return max(1.0, self.reload_timeout - min(30.0, 0.1 * self.reload_timeout))
 
     def reload_weights(self, path: str) -> None:
         """``reload_weights`` on every worker, checkpoint format. Raises ServerError with the server's text."""
         body = {"method": "reload_weights",
                 "kwargs": {"weights_path": str(path), "is_checkpoint_format": True},
-                "timeout": self.reload_timeout}
+                "timeout": self._rpc_timeout()}
         # a retried reload re-reads the same files: idempotent
-        self.http.post("/collective_rpc", body, timeout=self.reload_timeout + 30)
+        self.http.post("/collective_rpc", body, timeout=self.reload_timeout)
 
     def collective_rpc(self, method: str, **kwargs) -> list:
-        body = self.http.post("/collective_rpc", {"method": method, "kwargs": kwargs,
-                                                  "timeout": self.reload_timeout}, timeout=self.reload_timeout + 30)
-        return body.get("results", []) if isinstance(body, dict) else []
+        status, body = self.http.request("POST", "/collective_rpc", json_body={
+            "method": method, "kwargs": kwargs, "timeout": self._rpc_timeout()}, timeout=self.reload_timeout)
+        if body == "":  # vLLM answers an empty 200 when every worker returned None
+            return []
+        return reply_field(self.http, "/collective_rpc", body, "results", types=list)
 
     def has_extension(self) -> bool:
-        """Whether the server was started with qconvert's worker extension."""
+        """Whether the server was started with qconvert's worker extension. False only when the
+        server says the method does not exist; any other failure is raised with its own text."""
         try:
             return all(str(r).startswith("qconvert") for r in self.collective_rpc("qconvert_ping"))
-        except ServerError:
-            return False
+        except ServerError as err:
+            if _MISSING_METHOD.search(err.message):
+                return False
+            raise
 
     def is_cpu(self) -> bool:
         status, body = self.http.request("GET", "/server_info", ok_status=(404,))
+        if status == 200 and not isinstance(body, (dict, list)):
+            raise ServerError(self.url + "/server_info", status, "reply is not JSON")
         text = json.dumps(body)
         return status == 200 and ("device_config=cpu" in text or '"device_type": "cpu"' in text
                                   or '"device": "cpu"' in text)
@@ -198,6 +224,9 @@ class VllmClient(ServerClient):
 # ------------------------------------------------------------------------------- worker side
 
 EXTENSION_FLAG = "--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension"
+#: how a vLLM server says that a worker has no such method: 0.32.0 ``run_method`` raises
+#: NotImplementedError("Method 'qconvert_ping' is not implemented."); older builds an AttributeError
+_MISSING_METHOD = re.compile(r"qconvert_ping\W+(?:is )?not implemented|has no attribute\W+qconvert_ping")
 
 
 def repack_cpu_moe_after_reload(model) -> int:
@@ -300,10 +329,10 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
             raise ReloadError(f"{c.url}: --verify found no norm weights to compare with {ckpt}")
         if bad:
             raise ReloadError(f"{c.url}: --verify: {len(bad)} weights differ from {ckpt} after the reload "
-                              f"(e.g. {bad[0]}); the server did not load the new checkpoint")
+                              f"(e.g. {clean(bad[0], 120)}); the server did not load the new checkpoint")
         texts[c.url] = c.complete(VERIFY_PROMPT)
     if len(set(texts.values())) > 1:
-        raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {texts}")
+        raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {clean(texts)}")
     return {"norms_checked": len(want), "greedy_text": next(iter(texts.values()), None)}
 
 
@@ -311,7 +340,7 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
 
 
 def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollback: str | None,
-                expected_contract: dict | None, check_contract: bool) -> ReloadResult:
+                expected_contract: dict | None, check_contract: bool, record_as: str | None = None) -> ReloadResult:
     import time
 
     from qconvert.loaders.staging import checkpoint_contract, contract_mismatch
@@ -349,17 +378,26 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                 except ReloadIncompatible as e:
                     raise ReloadError(f"{client.url}: {e}") from None
             raise ReloadError(f"{client.url}: {path} does not match the layout of the served checkpoint "
-                              f"{previous} ({', '.join(diff)} differ); convert it with the same options "
+                              f"{clean(previous, 200)} ({', '.join(diff)} differ); convert it with the same options "
                               "or restart the server on it")
-    client.pause(pause)
     failure: BaseException | None = None
+    maybe_paused = False  # whether a pause request may have reached the server
     try:
+        try:
+            client.pause(pause)
+        except QConvertError as err:
+            maybe_paused = getattr(err, "sent", True)
+            raise ReloadError(f"pausing failed: {err}") from err
+        maybe_paused = True
         try:
             reload_checkpoint(client, path)
         except (ServerError, ServerUnreachable) as err:
             server_msg = err.message if isinstance(err, ServerError) else str(err)
-            rolled = False
-            if previous:
+            # no answer at all (timeout, Ctrl-C, connection lost): the server may still be loading
+            # the checkpoint or be down; a rollback now would queue behind it or fail the same way
+            no_answer = isinstance(err, ServerUnreachable)
+            rolled, rollback_error = False, ""
+            if previous and not no_answer:
                 try:
                     if repack or client.has_extension():
                         client.collective_rpc("qconvert_clear_failed_reload")
@@ -368,21 +406,25 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                         client.collective_rpc("qconvert_repack_cpu_moe")
                     rolled = True
                 except QConvertError as err2:
-                    log.error("%s: rollback to %s failed: %s", client.url, previous, err2)
+                    rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
             res.rolled_back = rolled
-            tail = (f"rolled back to {previous}; server resumed" if rolled else
+            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
+                    "interrupted; the server may still finish loading it" if client.http.cancelled else
+                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
+                    "checkpoint" if no_answer else
                     "could not restore the previous weights; the server's weights are undefined, "
                     "reload a good checkpoint or restart it")
-            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({tail})") from err
+            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
         if repack:
             client.collective_rpc("qconvert_repack_cpu_moe")
         client.set_weight_version(version)
-        _state_record(client.url, version, str(path))
+        _state_record(client.url, version, str(record_as or path))
     except BaseException as e:  # noqa: BLE001 - resume below on every path, then re-raise
         failure = e
         raise
     finally:
-        _resume_after(client, failure)
+        if maybe_paused:
+            _resume_after(client, failure)
     res.ok = True
     res.weight_version = version
     res.seconds = time.perf_counter() - t0
@@ -390,85 +432,155 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
 
 
 def _resume_after(client, failure: BaseException | None) -> None:
-    """Resume a paused server (vLLM or SGLang: ``client.RESUME_ROUTE``); never let a resume
-    failure hide the original error."""
-    route = getattr(client, "RESUME_ROUTE", "/resume").lstrip("/")
+    """Resume a server after a pause request was sent (vLLM or SGLang: ``client.RESUME_ROUTE``),
+    whatever happened; say in the error whether it was resumed, and if not, how to resume it. A
+    resume failure never hides the original error."""
     try:
         client.resume()
     except QConvertError as err:
+        line = (f"the server may still be paused ({err}); resume it with: {client.resume_command()}")
         if failure is None:
-            raise ReloadError(f"{client.url}: reload done but {route} failed: {err}; "
-                              f"call POST {client.url}/{route}") from err
-        log.error("%s: %s after a failed reload also failed: %s", client.url, route, err)
+            raise ReloadError(f"{client.url}: reload done but {line}") from err
         if isinstance(failure, QConvertError):
-            failure.args = (f"{failure}; {route} also failed ({err}): call POST {client.url}/{route}",)
+            failure.args = (f"{failure}; {line}",)
+        else:
+            log.error("%s: %s", client.url, line)
+        return
+    if isinstance(failure, QConvertError):
+        failure.args = (f"{failure}; server resumed",)
 
 
 def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
                 weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
                 stage_name: str | None = None, rollback: str | None = None, check_contract: bool = True,
-                timeout: float = 30.0, retries: int = 3, client_factory=None) -> list[ReloadResult]:
+                timeout: float = 30.0, reload_timeout: float = 3600.0, retries: int = 3,
+                keep_staged: bool = False, client_factory=None) -> list[ReloadResult]:
     """Reload ``ckpt`` into every server in ``urls`` (data-parallel replicas, concurrently).
 
     ``via="shm"`` stages the checkpoint in ``/dev/shm/qconvert/NAME`` first (NAME: ``stage_name``
-    or derived from the path) and the servers read it from RAM. ``ckpt`` may also name an existing
-    staging area as ``shm:NAME``. Raises ReloadError listing every failed server; every server is
-    resumed whatever happens.
+    or derived from the path), the servers read it from RAM, and the area is removed afterwards
+    unless ``keep_staged``. ``ckpt`` may also name an existing staging area as ``shm:NAME`` (kept).
+    ``timeout`` bounds each control request, ``reload_timeout`` the pause and the weight load.
+    Raises ReloadError listing every failed server; every server a pause was sent to is resumed,
+    or the error says it may still be paused and how to resume it.
     """
     from qconvert.loaders.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for vLLM; use one of {', '.join(PAUSE_MODES)}")
-    path, contract = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout,
+                                                   reload_timeout=reload_timeout, retries=retries))
+    clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
+    path, contract, staged = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    # a staging area removed after the reload cannot be a later rollback target: record the source
+    record_as = str(Path(ckpt).resolve()) if staged and not keep_staged else None
     version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
-    make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout, retries=retries))
-    clients = [make(u) for u in urls]
-    results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
-                                                              check_contract))
-    if errors:
-        raise ReloadError("; ".join(errors))
-    if verify:
-        info = verify_servers(clients, path)
-        for r in results:
-            r.verify = info
+    try:
+        results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
+                                                                  check_contract, record_as))
+        if errors:
+            raise ReloadError("; ".join(errors))
+        if verify:
+            info = verify_servers(clients, path)
+            for r in results:
+                r.verify = info
+    finally:
+        if staged and not keep_staged:
+            _drop_staged(staged)
     return results
 
 
-def _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None]:
+def _drop_staged(name: str) -> None:
+    """Remove the staging area a reload created; one warning line if that fails."""
+    from qconvert.loaders import staging
+
+    try:
+        staging.drop_area(name)
+    except (OSError, QConvertError) as e:
+        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage --drop %s",
+                    staging.staging_root(), name, clean(e, 200), name)
+
+
+def _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
+    """(path the servers read, layout contract of a staging area or None, name of the staging area
+    this call created or None)."""
     s = str(ckpt)
     if s.startswith("shm:"):
         area = open_area(s[4:])
-        return str(area.path), area.contract
+        return str(area.path), area.contract, None
     p = Path(s)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
                             "(the server must see the same path)")
     if via == "disk":
-        return str(p.resolve()), None
+        return str(p.resolve()), None, None
     if via != "shm":
         raise QConvertError(f"--via {via!r}: use disk or shm")
     name = stage_name or _default_stage_name(p)
     stage_checkpoint(p, name)
-    area = open_area(name)
-    return str(area.path), area.contract
+    try:
+        area = open_area(name)
+    except BaseException:
+        _drop_staged(name)
+        raise
+    return str(area.path), area.contract, name
 
 
 def _default_stage_name(p: Path) -> str:
-    import re
-
     base = re.sub(r"[^A-Za-z0-9._-]", "-", p.resolve().name).lstrip(".-") or "ckpt"
     return f"{base[:100]}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
 
 
+def _wait_all(done: list[threading.Event]) -> None:
+    # Event waits, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as
+    # stopped (CPython before 3.13); short waits let Ctrl-C reach the main thread between them
+    for ev in done:
+        while not ev.wait(0.1):
+            pass
+
+
 def _fan_out(clients, fn) -> tuple[list, list[str]]:
-    results, errors = [], []
-    with cf.ThreadPoolExecutor(max_workers=max(1, len(clients))) as ex:
-        futs = {ex.submit(fn, c): c for c in clients}
-        for fut in cf.as_completed(futs):
-            try:
-                results.append(fut.result())
-            except QConvertError as e:
-                errors.append(str(e))
-    order = {c.url: i for i, c in enumerate(clients)}
-    results.sort(key=lambda r: order.get(r.url, 0))
-    return results, errors
+    """Run ``fn(client)`` for every client on its own thread; return (results, error lines) in the
+    clients' order. Ctrl-C cancels every request in flight; each thread then resumes its server (a
+    resume is not cancelled) and the call raises :class:`ReloadInterrupted` saying, per server, what
+    state it was left in. A second Ctrl-C stops waiting for the resumes."""
+    n = len(clients)
+    results: list = [None] * n
+    errors: list = [None] * n
+    fatal: list = [None] * n
+
+    done = [threading.Event() for _ in clients]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(clients[i])
+        except QConvertError as e:
+            errors[i] = str(e)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            fatal[i] = e
+        finally:
+            done[i].set()
+
+    # daemon threads: the interpreter never waits at exit for a server that does not answer
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"qconvert-reload-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        _wait_all(done)
+    except KeyboardInterrupt:
+        for c in clients:
+            c.http.cancel()
+        try:
+            _wait_all(done)
+        except KeyboardInterrupt:
+            pending = [c for c, ev in zip(clients, done) if not ev.is_set()]
+            raise ReloadInterrupted(
+                "interrupted twice; not waiting for " + ", ".join(c.url for c in pending) + " to resume: each may "
+                "still be paused; resume with: " + " ; ".join(c.resume_command() for c in pending)) from None
+        lines = [e if e else f"{c.url}: {'reloaded' if r is not None else f'interrupted ({clean(x, 200)})'}"
+                 for c, r, e, x in zip(clients, results, errors, fatal)]
+        raise ReloadInterrupted("interrupted (Ctrl-C): " + "; ".join(lines)) from None
+    for e in fatal:
+        if e is not None:
+            raise e
+    return [r for r in results if r is not None], [e for e in errors if e]
