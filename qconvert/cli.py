@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from . import __version__
-from .cli_errors import handle_errors
-from .errors import QConvertError
+from .cli_errors import GuardedGroup, handle_errors
+from .errors import OutputError, QConvertError
 
 
 def _fmt_bytes(n: float) -> str:
@@ -24,8 +25,8 @@ def plan_options(fn):
     opts = [
         click.argument("src"),
         click.argument("dst", required=False),
-        click.option("--last-n-bf16", type=int, default=0, show_default=True, help="Keep the last N decoder layers in BF16."),
-        click.option("--first-n-bf16", type=int, default=0, show_default=True, help="Keep the first M decoder layers in BF16."),
+        click.option("--last-n-bf16", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the last N decoder layers in BF16."),
+        click.option("--first-n-bf16", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the first M decoder layers in BF16."),
         click.option("--keep-bf16", multiple=True, metavar="PATTERN", help="Keep modules matching this glob in BF16 (repeatable)."),
         click.option("--quantize-lm-head", is_flag=True, help="Quantize lm_head too (engines usually keep it BF16)."),
         click.option("--dry-run", is_flag=True, help="Print the per-layer plan and projected size; write nothing."),
@@ -63,34 +64,123 @@ def layout_options(fn):
         click.option("--layout", type=click.Choice(["flashinfer-trtllm"]), default=None,
                      help="Write MoE experts pre-shuffled for the FlashInfer TRT-LLM MoE kernels."),
         click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
-                     help="Engine whose post-processing the layout reproduces (padding, names, shapes)."),
-        click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: write per-rank tensors."),
-        click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: write per-rank tensors."),
+                     help="With --layout: engine whose post-processing the layout reproduces (padding, names, shapes)."),
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="With --layout: tensor-parallel size; write per-rank tensors."),
+        click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="With --layout: expert-parallel size; write per-rank tensors."),
     ]
     for o in reversed(opts):
         fn = o(fn)
     return fn
 
 
+_EXPERT_ROW = re.compile(r"^(?P<pre>.*\.layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>\w+)$")
+
+
+def _ranges(ns) -> str:
+    """0,1,2,5,7,8 -> "0-2,5,7-8"."""
+    ns = sorted(set(ns))
+    out, i = [], 0
+    while i < len(ns):
+        j = i
+        while j + 1 < len(ns) and ns[j + 1] == ns[j] + 1:
+            j += 1
+        out.append(str(ns[i]) if i == j else f"{ns[i]}-{ns[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
+    """(module, format, shape, bytes in, bytes out, reason) per printed line: one row per module,
+    except MoE experts, grouped by format, shape and reason over layers and experts ("layers 0-47
+    experts 0-127 gate_proj/up_proj (12288 tensors)"), so a 30B MoE plan is a screen, not 18,000 lines."""
+    lines, groups = [], {}
+    for r in rows:
+        names = [n[: -len(".weight")] if n.endswith(".weight") else n for n in (r.sources or (r.module,))]
+        ms = [_EXPERT_ROW.match(n) for n in names]
+        if not all(ms):
+            lines.append((r.module, r.fmt, str(list(r.shape)), r.bytes_in, r.bytes_out, r.reason))
+            continue
+        key = (ms[0]["pre"], ms[0]["mid"], r.fmt, tuple(r.shape), r.reason)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = {"at": len(lines), "layers": set(), "experts": set(), "projs": [], "n": 0,
+                               "in": 0, "out": 0}
+            lines.append(None)
+        for m in ms:
+            g["layers"].add(int(m["layer"]))
+            g["experts"].add(int(m["e"]))
+            if m["proj"] not in g["projs"]:
+                g["projs"].append(m["proj"])
+        g["n"] += len(ms)
+        g["in"] += r.bytes_in
+        g["out"] += r.bytes_out
+    for (pre, mid, fmt, shape, reason), g in groups.items():
+        what = (f"{pre.rstrip('.')} {_ranges(g['layers'])} experts {_ranges(g['experts'])} "
+                f"{'/'.join(g['projs'])} ({g['n']} tensors)")
+        lines[g["at"]] = (what, fmt, str(list(shape)), g["in"], g["out"], reason)
+    return lines
+
+
 def print_plan(result, limit: int | None = None):
-    rows = result.rows
+    rows = plan_lines(result.rows)
     click.echo(f"{'module':<56} {'format':<7} {'shape':<16} {'in':>10} {'out':>10}  reason")
     shown = rows if limit is None else rows[:limit]
-    for r in shown:
-        click.echo(f"{r.module:<56} {r.fmt:<7} {str(list(r.shape)):<16} {_fmt_bytes(r.bytes_in):>10} "
-                   f"{_fmt_bytes(r.bytes_out):>10}  {r.reason}")
+    for module, fmt, shape, b_in, b_out, reason in shown:
+        click.echo(f"{module:<56} {fmt:<7} {shape:<16} {_fmt_bytes(b_in):>10} {_fmt_bytes(b_out):>10}  {reason}")
     if len(shown) < len(rows):
         click.echo(f"... {len(rows) - len(shown)} more rows")
+
+
+def format_line(result) -> str:
+    """What the quantized tensors are: scheme, recipe, and for NVFP4 whether activations are too."""
+    o = result.options
+    if result.scheme == "mxfp8":
+        return "MXFP8 (E4M3, one E8M0 scale per 32; RCEIL); activations quantized by the engine at run time"
+    if result.scheme == "nvfp4":
+        recipe = getattr(o, "recipe", "te")
+        mode = getattr(o, "input_mode", "weight-only")
+        act = {"weight-only": "W4A16 (weights only; no input scales) -- the safe default",
+               "unit": "W4A4, input scale 1.0 (run the engine in per-token activation mode)",
+               "copied": f"W4A4, input scales copied from {getattr(o, 'input_scales_from', None)}"}[mode]
+        return f"NVFP4 {act}; {recipe} recipe"
+    return "BF16 (nothing quantized)"
+
+
+def layout_line(result) -> str:
+    o = result.options
+    if o is None or not o.layout:
+        return "plain (tensors as the engines' stock loaders read them)"
+    return (f"{o.layout} for {o.engine}, --tp {o.tp} --ep {o.ep} (MoE experts pre-shuffled under "
+            "'.trtllm' names, which stock loaders skip: see the README's kernel-ready MoE layouts)")
+
+
+def kept_line(result) -> str:
+    """How many weights stay unquantized, and in which dtype: a source's FP32 or FP16 weights are
+    written as they are (engines cast unquantized weights to the model's dtype when loading)."""
+    p = result.plan
+    kept = [t for t in p.tensors.values() if t.action == "keep" and t.module]
+    dtypes: dict[str, int] = {}
+    for t in kept:
+        dtypes[t.dtype] = dtypes.get(t.dtype, 0) + 1
+    if set(dtypes) <= {"BF16"}:
+        s = f"{len(kept)} weights, BF16"
+    else:
+        s = (f"{len(kept)} weights, in the source's dtype ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))};"
+             " not cast: engines cast them to the model's dtype when loading)")
+    return s + (f" (BF16 layers: {p.bf16_layers})" if p.bf16_layers else "")
 
 
 def print_summary(result, dry_run: bool):
     p = result.plan
     q = [t for t in p.tensors.values() if t.action == "quantize"]
-    kept_w = [t for t in p.tensors.values() if t.action == "keep" and t.module]
     click.echo("")
     click.echo(f"{'plan' if dry_run else 'converted'}: {p.arch_name} -> {result.scheme} ({result.dialect} dialect)")
+    click.echo(f"  format            : {format_line(result)}")
+    click.echo(f"  layout            : {layout_line(result)}")
     click.echo(f"  quantized tensors : {len(q)}")
-    click.echo(f"  kept BF16 weights : {len(kept_w)}" + (f" (BF16 layers: {p.bf16_layers})" if p.bf16_layers else ""))
+    click.echo(f"  kept unquantized  : {kept_line(result)}")
     ratio = result.bytes_in / result.bytes_out if result.bytes_out else 0
     click.echo(f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)")
     click.echo(f"  exclusion list    : {len(p.exclusions)} entries")
@@ -105,14 +195,59 @@ def print_summary(result, dry_run: bool):
         click.echo(f"  written to        : {result.dst}")
 
 
+#: options that only mean something with another one; refused without it instead of ignored
+_NEEDS = {"tp": "--layout", "ep": "--layout", "engine": "--layout", "private": "--push-to-hub",
+          "revision": "--push-to-hub"}
+#: options of the plan that choose what is quantized: meaningless for `qconvert bf16`
+_QUANT_ONLY = ("last_n_bf16", "first_n_bf16", "keep_bf16", "quantize_lm_head")
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    """True when the user passed option ``name`` (on the command line or from the environment)."""
+    src = ctx.get_parameter_source(name)
+    return src is not None and src not in (click.core.ParameterSource.DEFAULT,
+                                           click.core.ParameterSource.DEFAULT_MAP)
+
+
+def _refuse_ignored_options(scheme: str, layout: str | None):
+    """An option that would have no effect is refused with one line, not silently ignored."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.command.name != scheme:  # called from `qconvert demo`: fixed options
+        return
+    flag = lambda n: "--" + n.replace("_", "-")  # noqa: E731
+    for name, needs in _NEEDS.items():
+        if needs == "--layout" and layout:
+            continue
+        if needs == "--push-to-hub" and ctx.params.get("push_to_hub"):
+            continue
+        if name in ctx.params and _given(ctx, name):
+            raise click.UsageError(f"{flag(name)} has no effect without {needs}; pass {needs} or drop {flag(name)}")
+    if scheme == "bf16":
+        for name in _QUANT_ONLY:
+            if name in ctx.params and _given(ctx, name):
+                raise click.UsageError(f"{flag(name)} chooses what is quantized, and qconvert bf16 quantizes "
+                                       f"nothing; drop it, or use qconvert mxfp8/nvfp4")
+
+
+def _refuse_existing(dst, force: bool):
+    """An existing DST without --force, refused before torch is imported (4-6 s on a busy 2-core
+    machine, against 0.1-0.2 s); the library checks DST again, fully."""
+    p = Path(dst).expanduser()
+    if not force and p.exists():
+        raise OutputError(f"{p.absolute()}: already exists; choose another DST or pass --force to replace it")
+
+
 def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
                  device, allow_non_finite, progress, dialect=None, push_to_hub=None, private=False, revision=None,
                  **extra):
-    from .convert.pipeline import ConvertOptions, convert
-    from .convert.plan import PlanOptions
-
     if dst is None and not dry_run:
         raise click.UsageError("DST is required unless --dry-run is given")
+    _refuse_ignored_options(scheme, extra.get("layout"))
+    if not dry_run:
+        _refuse_existing(dst, force)
+    from .convert.pipeline import ConvertOptions, convert  # imports torch
+    from .convert.plan import PlanOptions
+
     popts = PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16, first_n_bf16=first_n_bf16,
                         keep_bf16=tuple(keep_bf16), quantize_lm_head=quantize_lm_head,
                         experts_only=extra.pop("experts_only", False))
@@ -131,7 +266,7 @@ def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantiz
     return result
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="qconvert")
 def main():
     """Convert BF16 Hugging Face checkpoints to MXFP8 / NVFP4 for vLLM and SGLang, and hot-reload them."""
@@ -168,11 +303,7 @@ def nvfp4(input_mode, input_scale, input_scales_from, **kw):
     if len(chosen) > 1:
         raise click.UsageError("pass at most one of --weight-only, --input-scale unit, --input-scales-from")
     mode = chosen[0] if chosen else "weight-only"
-    result = _run_convert("nvfp4", input_mode=mode, input_scales_from=input_scales_from, **kw)
-    click.echo({"weight-only": "  activations       : W4A16 (weights only; no input scales) -- the safe default",
-                "unit": "  activations       : W4A4, input scale 1.0 (run the engine in per-token activation mode)",
-                "copied": f"  activations       : W4A4, input scales copied from {input_scales_from}"}[mode])
-    return result
+    return _run_convert("nvfp4", input_mode=mode, input_scales_from=input_scales_from, **kw)
 
 
 @main.command()
@@ -193,7 +324,8 @@ def bf16(**kw):
 @handle_errors
 def unshuffle(src, dst, force):
     """Invert a pre-shuffled (--layout) checkpoint SRC back to the plain checkpoint at DST, bit-exact."""
-    from .convert.unshuffle import unshuffle_checkpoint
+    _refuse_existing(dst, force)
+    from .convert.unshuffle import unshuffle_checkpoint  # imports torch
 
     res = unshuffle_checkpoint(src, dst, force=force)
     click.echo(f"unshuffled {res['layers']} MoE layers ({res['tensors']} tensors) into {dst}")
@@ -208,8 +340,6 @@ def unshuffle(src, dst, force):
 @handle_errors
 def demo(dst, arch, scheme, last_n_bf16, force):
     """Build the built-in tiny model (offline) in DST/bf16 and convert it to DST/<scheme>."""
-    from .convert.demo import build_demo_model
-
     root = Path(dst)
     src = root / "bf16"
     out = root / f"{scheme}-last{last_n_bf16}-bf16" if last_n_bf16 else root / scheme
@@ -218,6 +348,7 @@ def demo(dst, arch, scheme, last_n_bf16, force):
     if src.is_symlink():
         raise QConvertError(f"{src}: is a symbolic link; demo writes its model there and does not follow links: "
                             "choose another DST")
+    from .convert.demo import build_demo_model  # imports torch
     if src.exists():
         import shutil
         shutil.rmtree(src)

@@ -104,6 +104,10 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
         if "--tp" not in msg and (tp > 1 or ep > 1):
             msg += f" (with --tp {tp} --ep {ep}: try a smaller --tp)"
         raise trtllm.LayoutError(f"{prefix}: {msg}") from None
+    if sorted(specs) != [(r, q) for r in range(tp) for q in range(ep)] or not all(specs.values()):
+        # every rank, each with tensors: the layer's experts are replaced by these outputs only
+        raise trtllm.LayoutError(f"{prefix}: internal: ranks {sorted(specs)} for --tp {tp} --ep {ep}; "
+                                 "no expert tensor may be dropped")
     outputs = []
     for (r, q), params in specs.items():
         tag = rank_tag(r, q, tp, ep)

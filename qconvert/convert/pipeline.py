@@ -83,6 +83,7 @@ class PlanRow:
     bytes_in: int
     bytes_out: int
     reason: str
+    sources: tuple[str, ...] = ()  # the source tensors of this row's job (fused groups, layout layers)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ConvertResult:
     bytes_out: int
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    options: ConvertOptions | None = None  # what was asked: recipe, activations, layout (the summary says them)
 
     @property
     def n_quantized(self) -> int:
@@ -383,7 +385,8 @@ def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
     for j in jobs:
         tp = plan.tensors[j.sources[0]]
         rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
-                            sum(entries[s].nbytes for s in j.sources), sum(_nbytes(o) for o in j.outputs), tp.reason))
+                            sum(entries[s].nbytes for s in j.sources), sum(_nbytes(o) for o in j.outputs), tp.reason,
+                            tuple(j.sources)))
     return rows
 
 
@@ -516,6 +519,16 @@ class _HashingWriter:
         self._next = 0
         self._early: set[str] = set()
         self._hash = BackgroundSha256(self.w.header_bytes) if hashed else None
+        self.closed = False
+
+    def abort(self):
+        """Give up on this shard (an error or interrupt): close its file unless :meth:`close` did,
+        and end its hash thread, waiting for it, so no thread outlives the conversion."""
+        if not self.closed:
+            self.closed = True
+            self.w.abort()
+        if self._hash is not None:
+            self._hash.close(wait=True)
 
     def write(self, name: str, t: torch.Tensor):
         if self._hash is None:
@@ -540,7 +553,12 @@ class _HashingWriter:
 
     def close(self, fsync: bool) -> str:
         """The shard's sha256, or "" (not recorded) when unhashed."""
-        self.w.close(fsync)
+        self.closed = True  # the file is closed whether or not this succeeds
+        try:
+            self.w.close(fsync)
+        except BaseException:
+            self.abort()
+            raise
         if self._hash is None:
             return ""
         if self._next != len(self._order):
@@ -600,7 +618,7 @@ def _convert(read_src: str, src: str, dst, scheme: str, opts: ConvertOptions, t0
     bytes_in = sum(r.bytes_in for r in rows)
     bytes_out = sum(r.bytes_out for r in rows)
     result = ConvertResult(None if opts.dry_run else dst, plan, scheme, dialect, rows, bytes_in, bytes_out,
-                           notes=list(plan.notes))
+                           notes=list(plan.notes), options=opts)
     if opts.dry_run:
         result.seconds = time.perf_counter() - t0
         return result
@@ -674,8 +692,14 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
     # Resume: output shards the journal verified are not rewritten (writer None); only jobs with an
     # output in another shard run, and only input shards holding their sources are read.
     done = journal.done if journal is not None else set()
-    writers = [None if h.path.name in done else _HashingWriter(tmp / h.path.name, specs[i], opts.output_checksums)
-               for i, h in enumerate(ckpt.shards)]
+    writers: list[_HashingWriter | None] = []
+    try:
+        for i, h in enumerate(ckpt.shards):
+            writers.append(None if h.path.name in done else
+                           _HashingWriter(tmp / h.path.name, specs[i], opts.output_checksums))
+    except BaseException:
+        _settle([w.abort for w in writers if w is not None])  # their hash threads end here too
+        raise
     needed = {s for j in jobs if any(writers[out_shard[o.name]] is not None for o in j.outputs) for s in j.sources}
     skipped_bytes = sum(e.nbytes for n, e in entries.items() if n not in needed)
 
@@ -806,16 +830,14 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
 
     rt = threading.Thread(target=reader, name="qconvert-reader", daemon=True)
     wt = threading.Thread(target=writer, name="qconvert-writer", daemon=True)
-    rt.start()
-    wt.start()
     bar = _Progress(bytes_in, opts.progress, "convert")
     bar.update(skipped_bytes)
     waiting: dict[str, torch.Tensor] = {}
     # CPU: small jobs run on job threads, several at once (SMALL_JOB_BYTES); their outputs still
     # reach the writer in job order, so output shards are hashed while written.
     n_job = min(CPU_WORKERS, 32) if opts.device == "cpu" and CPU_WORKERS > 1 else 0
-    pool = ThreadPoolExecutor(n_job, thread_name_prefix="qconvert-job",
-                              initializer=lambda: setattr(_tls, "workers", 1)) if n_job else None
+    pool: ThreadPoolExecutor | None = None
+    hashers: ThreadPoolExecutor | None = None
     pending: deque = deque()  # (future of outputs, job, input bytes to release, source bytes), in job order
 
     def emit():
@@ -834,8 +856,14 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
                     raise errors[0]
         bar.update(nsrc)
 
-    hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
+    failed = True  # until the loop below has finished: then threads end by themselves
     try:
+        rt.start()
+        wt.start()
+        if n_job:
+            pool = ThreadPoolExecutor(n_job, thread_name_prefix="qconvert-job",
+                                      initializer=lambda: setattr(_tls, "workers", 1))
+        hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
         for h in ckpt.shards:
             name = h.path.name
             if journal is not None and name in journal.inputs and not any(n in needed for n in h.entries):
@@ -888,48 +916,86 @@ def _run_threads(ckpt: Checkpoint, plan: Plan, jobs: list[Job], tmp: Path, opts:
             raise errors[0]
         if waiting:
             raise CheckpointError(f"tensor {next(iter(waiting))!r}: its fused partners never arrived (internal)")
-    except BaseException:
-        stop.set()
-        with cond:
-            cond.notify_all()
-        raise
+        failed = False
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        pending.clear()
-        while wt.is_alive():  # a writer that failed leaves the queue as it was: do not wait on it
-            try:
-                write_q.put(None, timeout=0.2)
-                break
-            except queue.Full:
-                pass
-        wt.join()
-        for ct in closers:
-            ct.join()
-        rt.join(timeout=5)
-        hashers.shutdown(wait=True, cancel_futures=stop.is_set())  # a set stop also ends running digests
-        bar.close()
-        for w in writers:
-            if w is None or not w.w._pending:
-                continue
-            w.w.abort()
+        # Every thread this run started has ended when it returns or raises, whatever happened: a
+        # thread still running at interpreter exit aborts the process as it drops a torch tensor
+        # ("terminate called without an active exception", exit -6), and one still quantizing
+        # writes into freed memory. A Ctrl-C while waiting here is held until they have ended.
+        def stop_all():
+            if failed:
+                stop.set()
+                with cond:
+                    cond.notify_all()
+
+        def end_writer():
+            pending.clear()
+            while wt.is_alive():  # a writer that failed leaves the queue as it was: do not wait on it
+                try:
+                    write_q.put(None, timeout=0.2)
+                    break
+                except queue.Full:
+                    pass
+            if wt.ident is not None:
+                wt.join()
+
+        def end_closers():
+            for ct in closers:
+                ct.join()
+
+        def end_reader():
+            if rt.ident is not None:
+                rt.join()  # it checks `stop` at least every 0.2 s
+
+        def end_hashers():
+            if hashers is not None:  # a set stop also ends running digests
+                hashers.shutdown(wait=True, cancel_futures=stop.is_set())
+
+        def end_writers():
+            if failed or errors:
+                for w in writers:
+                    if w is not None:
+                        w.abort()
+
+        _settle([stop_all, lambda: pool is not None and pool.shutdown(wait=True, cancel_futures=True),
+                 end_writer, end_closers, end_reader, end_hashers, bar.close, end_writers])
     if errors:
         raise errors[0]
     if side is not None:  # the reader's copies are done: hand the page-locked buffers back
         side.synchronize()
         _release_pinned()
-    for i, w in enumerate(writers):
-        name = ckpt.shards[i].path.name
-        if w is None:
-            output_sha[name] = journal.outputs[name]["sha256"]
-        elif name not in output_sha:
-            if w.w.names:
-                raise OutputError(f"{tmp / name}: output shard incomplete (internal)")
-            output_sha[name] = w.close(opts.fsync)  # empty shard: header only
-            if journal is not None:
-                journal.output_done(name, output_sha[name], w.w.size)
+    try:
+        for i, w in enumerate(writers):
+            name = ckpt.shards[i].path.name
+            if w is None:
+                output_sha[name] = journal.outputs[name]["sha256"]
+            elif name not in output_sha:
+                if w.w.names:
+                    raise OutputError(f"{tmp / name}: output shard incomplete (internal)")
+                output_sha[name] = w.close(opts.fsync)  # empty shard: header only
+                if journal is not None:
+                    journal.output_done(name, output_sha[name], w.w.size)
+    except BaseException:
+        _settle([w.abort for w in writers if w is not None])  # no hash thread outlives the run
+        raise
     order = [h.path.name for h in ckpt.shards]  # shard order, whatever order shards finished in
     return {n: input_sha[n] for n in order}, {n: output_sha[n] for n in order}
+
+
+def _settle(steps: list[Callable[[], object]]) -> None:
+    """Run each cleanup step to its end, in order. A KeyboardInterrupt (a second Ctrl-C) during a
+    step runs that step again (each is safe to repeat: joins, shutdowns, closes) and is raised
+    once every step has finished, so threads are never left running behind the interrupt."""
+    interrupted: KeyboardInterrupt | None = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ class ShardReader:
     def close(self):
         self._f.close()
         if self._hash is not None:
-            self._hash.close()
+            self._hash.close(wait=True)
 
     def __enter__(self):
         return self
@@ -348,9 +348,13 @@ class BackgroundSha256:
             self._digest = self._s.h.hexdigest()
         return self._digest
 
-    def close(self) -> None:
-        """Stop without a digest (bytes already queued are hashed, then the thread ends)."""
+    def close(self, wait: bool = False) -> None:
+        """Stop without a digest (bytes already queued are hashed, then the thread ends); with
+        ``wait``, return once the thread has ended. A thread left running at interpreter exit can
+        abort the process as it drops a buffer that holds a torch tensor (pipeline error paths)."""
         self._finalizer()
+        if wait:
+            self._thread.join()
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")

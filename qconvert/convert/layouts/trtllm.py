@@ -146,6 +146,9 @@ def rank_shape(
     """Sizes of one rank's kernel tensors; raises :class:`LayoutError` on impossible shapes."""
     _check(scheme, engine)
     pad = padding or engine_padding(scheme, engine)
+    for flag, n in (("--tp", tp), ("--ep", ep)):  # 0 divided by zero; -1 gave no ranks: experts dropped
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise LayoutError(f"{flag} {n!r}: the parallel size must be a positive integer")
     if num_experts % ep:
         raise LayoutError(f"{num_experts} experts do not split over --ep {ep}")
     if intermediate_size % tp:

@@ -266,8 +266,31 @@ def _run_chunks(fn, n: int, workers: int, min_step: int = 4096) -> list:
     if workers == 1 or n < 2 * min_step:
         return [fn(0, n)]
     step = max(min_step, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
-    futures = [_pool(workers).submit(fn, b0, min(n, b0 + step)) for b0 in range(0, n, step)]
+    futures = []
+    try:
+        for b0 in range(0, n, step):
+            futures.append(_pool(workers).submit(fn, b0, min(n, b0 + step)))
+    finally:
+        wait_all(futures)
     return [fut.result() for fut in futures]
+
+
+def wait_all(futures) -> None:
+    """Wait until every future has finished, even through a KeyboardInterrupt (raised afterwards).
+    The C calls get raw pointers: a caller that went on while a chunk still ran (Ctrl-C during
+    ``fut.result()``) would free the tensors the kernel is writing into (a segfault), and a
+    thread still in a kernel at interpreter exit can abort the process."""
+    from concurrent.futures import wait
+
+    interrupted = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def abs_max_f32(x: torch.Tensor, workers: int) -> np.float32:

@@ -119,7 +119,13 @@ def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: i
             _quantize_blocks(xb[i:i + chunk], q[i:i + chunk], s[i:i + chunk], fbuf, abuf)
 
     workers = max(1, workers)
-    futures = [_pool(workers).submit(work) for _ in range(min(workers, -(-n // chunk)))]
+    futures = []
+    try:  # every chunk has finished before this returns or raises (Ctrl-C included)
+        for _ in range(min(workers, -(-n // chunk))):
+            futures.append(_pool(workers).submit(work))
+    finally:
+        from .cpu_kernels import wait_all
+        wait_all(futures)
     for fut in futures:
         fut.result()
 

@@ -335,7 +335,13 @@ def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
             _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
 
     workers = max(1, workers)
-    futures = [_pool(workers).submit(work) for _ in range(min(workers, -(-n // chunk)))]
+    futures = []
+    try:  # every chunk has finished before this returns or raises (Ctrl-C included)
+        for _ in range(min(workers, -(-n // chunk))):
+            futures.append(_pool(workers).submit(work))
+    finally:
+        from .cpu_kernels import wait_all
+        wait_all(futures)
     for fut in futures:
         fut.result()
 
