@@ -130,9 +130,14 @@ class GuardedGroup(click.Group):
 def _first_sigint(signum, frame):
     """The first Ctrl-C interrupts the command; later ones are ignored while it stops (its threads
     are being joined: a second KeyboardInterrupt there would leave them running, and one during
-    interpreter exit ends the process by the signal instead of exit 130). Ctrl-\\ still quits."""
+    interpreter exit ends the process by the signal instead of exit 130), except inside
+    ``interrupts.second_interrupt_allowed`` (a reload waiting for its servers to resume). Ctrl-\\
+    still quits."""
     import signal
+
+    from .interrupts import mark_stopping
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mark_stopping()  # code that waits on a server while stopping may take a second Ctrl-C (interrupts.py)
     raise KeyboardInterrupt
 
 

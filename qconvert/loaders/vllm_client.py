@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconvert.errors import QConvertError
+from qconvert.interrupts import second_interrupt_allowed
 from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
 
 log = logging.getLogger("qconvert.reload")
@@ -571,7 +572,8 @@ def _fan_out(clients, fn) -> tuple[list, list[str]]:
         for c in clients:
             c.http.cancel()
         try:
-            _wait_all(done)
+            with second_interrupt_allowed():
+                _wait_all(done)
         except KeyboardInterrupt:
             pending = [c for c, ev in zip(clients, done) if not ev.is_set()]
             raise ReloadInterrupted(
