@@ -91,7 +91,8 @@ def _str_list(v, ok, limit: int):
 CARRIED_KEYS = {
     "license": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "license_name": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
-    "license_link": lambda v: v if isinstance(v, str) and _LINK.fullmatch(v) and ".." not in v.split("://")[-1].split("/") else None,
+    "license_link": lambda v: v if isinstance(v, str) and _LINK.fullmatch(v)
+    and ".." not in v.split("://")[-1].split("/") else None,
     "library_name": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "pipeline_tag": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "language": lambda v: _str_list(v, _LANG.fullmatch, 500),
@@ -114,7 +115,10 @@ def read_source_card(dst: Path, log: Callable[[str], None] | None = None) -> str
     if p.is_symlink() and Path(os.path.realpath(dst)) not in real.parents:
         raise QConvertError(f"{p}: a symlink to {real}, outside {dst}; push reads only files inside DST — "
                             "replace the link with a copy of the file")
-    st = os.stat(p)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise QConvertError(f"{p}: cannot be read ({e.strerror}); replace it with the source model card (or remove it)") from None
     if not stat.S_ISREG(st.st_mode):
         raise QConvertError(f"{p}: not a regular file; replace it with the source model card (or remove it)")
     with open(p, "rb") as f:
@@ -134,6 +138,7 @@ def split_card(text: str) -> tuple[dict, str, str]:
     YAML mapping (or not YAML) is {} and its raw text is kept."""
     from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
+    text = text[1:] if text.startswith("\ufeff") else text  # as huggingface_hub reads files (utf-8-sig)
     m = REGEX_YAML_BLOCK.search(text)
     if not m:
         return {}, "", text
@@ -618,7 +623,11 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
             if root not in real.parents:
                 raise QConvertError(f"{p}: a symlink to {real}, outside {dst}; push uploads only files inside DST — "
                                     "replace the link with a copy of the file")
-            if not stat.S_ISREG(os.stat(real).st_mode):
+            try:
+                regular = stat.S_ISREG(os.stat(real).st_mode)
+            except OSError as e:
+                raise QConvertError(f"{p}: cannot be read ({e.strerror}); remove it from DST before pushing") from None
+            if not regular:
                 raise QConvertError(f"{p}: not a regular file; remove it from DST before pushing")
             os.symlink(real, stage / rel / name)
     for name, data in extra.items():

@@ -90,6 +90,15 @@ def _readme_fifo(dst: Path, tmp: Path):
     os.mkfifo(dst / "README.md")
 
 
+def _readme_dangling(dst: Path, tmp: Path):
+    (dst / "README.md").unlink()
+    (dst / "README.md").symlink_to(dst / "missing.md")
+
+
+def _dangling_link_in_dst(dst: Path, tmp: Path):
+    (dst / "extra.txt").symlink_to(dst / "gone.txt")
+
+
 def _no_readme(dst: Path, tmp: Path):
     (dst / "README.md").unlink()
 
@@ -150,6 +159,8 @@ ROWS = [
     ("readme_symlink_outside_dst", _symlink_outside, [], {}, r"README.md: a symlink to .*outside .*copy"),
     ("readme_is_a_directory", _readme_dir, [], {}, r"README.md: not a regular file"),
     ("readme_is_a_fifo", _readme_fifo, [], {}, r"README.md: not a regular file"),
+    ("readme_dangling_symlink", _readme_dangling, [], {}, r"README.md: cannot be read \(No such file"),
+    ("dangling_symlink_in_dst", _dangling_link_in_dst, [], {}, r"extra.txt: cannot be read \(No such file"),
     ("file_symlink_outside_dst", _shard_symlink_outside, [], {}, r"notes.txt: a symlink to .*outside .*copy"),
     ("unreachable_endpoint", _readme("# card\n"), [], {"HF_ENDPOINT": "closed"},
      r"^error: org/x: upload failed: cannot reach the Hub at http://127\.0\.0\.1:\d+ \(ConnectError: .*\); check the "
