@@ -179,8 +179,11 @@ def source_card(text: str) -> tuple[dict, str, str]:
     if got is None:
         return {}, "", ""
     raw, body = got
-    meta, _, _ = split_card(f"---\n{raw}\n---\n") if raw else ({}, "", "")
-    return meta, raw, body
+    try:
+        meta = _safe_load(raw) if raw else {}
+    except Exception:  # as in split_card
+        meta = {}
+    return (meta if isinstance(meta, dict) else {}), raw, body
 
 
 def _source_section(text: str) -> tuple[str, str] | None:
