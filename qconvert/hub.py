@@ -607,7 +607,9 @@ UPLOAD_IGNORE = [".cache/**", ".*.qconvert-tmp-*", "*.lock"]
 
 def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
     """Mirror ``dst`` into ``stage``: a symlink per file of ``dst`` (files only inside ``dst``) and
-    the ``extra`` files, written from memory, in place of those of ``dst`` with the same names."""
+    the ``extra`` files, written from memory, in place of those of ``dst`` with the same names.
+    A ``qconvert-verify.json`` in ``dst`` (written there by push before it stopped writing into
+    DST) is never sent: the report uploaded is this push's, or none."""
     import stat
 
     root = Path(os.path.realpath(dst))
@@ -620,7 +622,7 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
             (stage / rel / name).mkdir()
         for name in sorted(files):
             p = Path(d) / name
-            if (rel / name).as_posix() in extra:
+            if (rel / name).as_posix() in extra or (rel / name).as_posix() == VERIFY_NAME:  # push's own output
                 continue
             real = Path(os.path.realpath(p))
             if root not in real.parents:

@@ -405,3 +405,16 @@ def test_card_base_model_local_and_hub_sources(demo, tmp_path):
     assert meta["base_model"] == "Org/Other"
     with pytest.raises(QConvertError, match="not a Hub model id for --base-model"):
         render_card(hub_src, "org/x", base_model="Org/Other) [x](javascript:1)")
+
+
+def test_push_force_unverified_does_not_send_a_stale_verify_report(demo, tmp_path, hub):
+    dst = shutil.copytree(demo["auto"], tmp_path / "stale")
+    (dst / "qconvert-verify.json").write_text('{"ok": true, "stale": true}\n')  # left by an older push
+    man = json.loads((dst / "qconvert.json").read_text())
+    man["source"]["id"] = str(tmp_path / "gone")
+    (dst / "qconvert.json").write_text(json.dumps(man))
+    push(dst, "org/stale", force=True)
+    files = hub.repos["org/stale"]["branches"]["main"]
+    assert "qconvert-verify.json" not in files
+    assert "Not verified against the source" in files["README.md"].decode()
+    assert (dst / "qconvert-verify.json").read_text() == '{"ok": true, "stale": true}\n'
