@@ -336,9 +336,12 @@ def unshuffle(src, dst, force):
 @click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3"]), default="qwen3-moe", show_default=True)
 @click.option("--scheme", type=click.Choice(["mxfp8", "nvfp4"]), default="mxfp8", show_default=True)
 @click.option("--last-n-bf16", type=int, default=1, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random weights: another seed gives a checkpoint of the same shapes and "
+                   "options (one to hot-reload into a server started on the first).")
 @click.option("--force", is_flag=True)
 @handle_errors
-def demo(dst, arch, scheme, last_n_bf16, force):
+def demo(dst, arch, scheme, last_n_bf16, seed, force):
     """Build the built-in tiny model (offline) in DST/bf16 and convert it to DST/<scheme>."""
     root = Path(dst)
     src = root / "bf16"
@@ -352,8 +355,8 @@ def demo(dst, arch, scheme, last_n_bf16, force):
     if src.exists():
         import shutil
         shutil.rmtree(src)
-    build_demo_model(src, arch=arch)
-    click.echo(f"built demo model {arch} at {src}")
+    build_demo_model(src, arch=arch, seed=seed)
+    click.echo(f"built demo model {arch} (seed {seed}) at {src}")
     _run_convert(scheme, str(src), str(out), last_n_bf16, 0, (), False, False, force, "cpu", False, None,
                  **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
 

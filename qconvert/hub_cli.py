@@ -62,13 +62,14 @@ def verify(src, dst, as_json, max_rel_err, engine, max_kl, progress):
 @click.option("--revision", default=None, help="Branch to push to (created if missing).")
 @click.option("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
 @click.option("--src", default=None, help="BF16 source to verify against (default: the one in qconvert.json).")
-@click.option("--base-model", default=None, help="base_model for the card (default: the source repo id).")
+@click.option("--base-model", default=None,
+              help="base_model for the card (default: the source's Hub repo id; a local source has none).")
 @click.option("--max-rel-err", type=float, default=None)
 @click.option("--force", is_flag=True, help="Push even if verify fails or cannot run.")
 @click.option("--progress/--no-progress", default=None)
-@handle_errors
+@handle_errors(interrupted="interrupted; DST was not changed (re-run push to resume the upload)")
 def push(dst, repo, private, revision, token, src, base_model, max_rel_err, force, progress):
-    """Verify DST, write its model card (README.md) and upload it to the Hub as REPO."""
+    """Verify DST, build its model card and upload both to the Hub as REPO (DST is not modified)."""
     from .hub import push as run_push
 
     url = run_push(dst, repo, private=private, revision=revision, token=token, force=force, src=src,

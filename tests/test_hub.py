@@ -58,6 +58,8 @@ class LocalHub:
         self.lfs: dict[str, bytes] = {}
         self.puts = 0
         self.commits: list[dict] = []
+        #: route name ("create", "preupload", "commit") -> (HTTP status, JSON body) to answer instead
+        self.fail: dict[str, tuple[int, dict]] = {}
         hub = self
 
         class H(BaseHTTPRequestHandler):
@@ -78,6 +80,10 @@ class LocalHub:
             def do_POST(self):
                 p = self.path.split("?")[0]
                 body = self._body()
+                route = ("create" if p == "/api/repos/create" else "preupload" if "/preupload/" in p
+                         else "commit" if "/commit/" in p else None)
+                if route in hub.fail:
+                    return self._send(*hub.fail[route])
                 if p == "/api/validate-yaml":
                     return self._send(200, {"errors": [], "warnings": []})
                 if p == "/api/repos/create":
@@ -267,9 +273,11 @@ def test_push_to_local_endpoint(demo, tmp_path, hub):
     assert repo["private"] is True
     files = repo["branches"]["main"]
     local = {p.name for p in dst.iterdir() if p.is_file()}
-    assert set(files) == local
-    assert "qconvert-verify.json" in files and "qconvert.json" in files
-    for name in local:
+    # push never writes into DST: the card and the verify report go to the Hub only
+    assert (dst / "README.md").read_text() == SOURCE_CARD and not (dst / "qconvert-verify.json").exists()
+    assert set(files) == local | {"qconvert-verify.json"}
+    assert "qconvert.json" in files
+    for name in local - {"README.md"}:
         assert hashlib.sha256(files[name]).hexdigest() == hashlib.sha256((dst / name).read_bytes()).hexdigest(), name
     readme = files["README.md"].decode()
     meta = _front(readme)
@@ -286,8 +294,9 @@ def test_push_to_local_endpoint(demo, tmp_path, hub):
     assert hub.puts == 3
 
     # a branch
+    assert repo["branches"]["main"]["README.md"].decode() == readme  # the same card again
     push(dst, "org/tiny-mxfp8", revision="v1", src=str(demo["bf16"]), base_model="Qwen/Qwen3-30B-A3B")
-    assert set(repo["branches"]["v1"]) == local
+    assert set(repo["branches"]["v1"]) == local | {"qconvert-verify.json"}
     assert "vllm serve org/tiny-mxfp8 --revision v1" in repo["branches"]["v1"]["README.md"].decode()
 
 
@@ -330,3 +339,82 @@ def test_cli_convert_with_push_to_hub(demo, tmp_path, hub):
     assert {"config.json", "hf_quant_config.json", "qconvert.json", "README.md", "model.safetensors.index.json"} <= set(files)
     readme = files["README.md"].decode()
     assert "`modelopt`: ModelOpt" in readme and "qconvert-demo" in _front(readme)["tags"]
+
+
+# ---- Hub errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("offline", [False, True], ids=["online", "HF_HUB_OFFLINE=1"])
+def test_hub_source_error_is_one_line_and_names_offline_only_when_set(tmp_path, offline):
+    """A Hub id that is not cached, with the Hub unreachable: one line saying why; HF_HUB_OFFLINE is
+    named only when it is set (it used to be advised in both cases)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{port}")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    p = subprocess.run([sys.executable, "-m", "qconvert.cli", "mxfp8", "org/not-cached", str(tmp_path / "out"),
+                        "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and p.stderr.splitlines()[-1] == errors[0], p.stderr
+    if offline:
+        assert re.fullmatch(r"error: org/not-cached: not a local directory, and not downloaded: HF_HUB_OFFLINE is "
+                            r"set, so the Hub is not contacted; unset it \(or use a local directory\)", errors[0]), errors[0]
+    else:
+        assert re.fullmatch(rf"error: org/not-cached: not a local directory, and not downloaded: cannot reach the Hub "
+                            rf"at http://127\.0\.0\.1:{port} \(ConnectError: .*\); check the network and HF_ENDPOINT",
+                            errors[0]), errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_card_written_by_v1_still_yields_its_source_card(demo):
+    """Cards qconvert wrote before the lengths were recorded (v1) are still recognised as ours."""
+    v1 = ("---\nlibrary_name: transformers\ntags:\n- qconvert\n---\n<!-- qconvert-card v1 -->\n\n# x\n\n"
+          "## Original model card\n\n<!-- qconvert-source-card:begin -->\nOriginal metadata:\n\n```yaml\n"
+          "license: mit\ntags:\n- a\n```\n<!-- qconvert-source-card:body -->\n# Source\n\ntext\n"
+          "<!-- qconvert-source-card:end -->\n")
+    assert source_card(v1) == ({"license": "mit", "tags": ["a"]}, "license: mit\ntags:\n- a", "# Source\n\ntext\n")
+    card = render_card(demo["auto"], "org/x", base_model="a/b", source_text=v1)
+    assert card.count("qconvert-card v") == 1 and "# Source\n\ntext\n" in card
+    assert render_card(demo["auto"], "org/x", base_model="a/b", source_text=card) == card
+
+
+def test_card_base_model_local_and_hub_sources(demo, tmp_path):
+    """base_model: --base-model, else the manifest's source when it is a Hub id. A local source has
+    none; its card's own base_model (the model *it* came from) is not taken, and the log says so."""
+    logs: list[str] = []
+    src_card = "---\nbase_model: Org/Parent-Base\nlicense: mit\n---\n# A fine-tune\n"
+    card = render_card(demo["auto"], "org/x", source_text=src_card, log=logs.append)
+    meta = ModelCard(card).data.to_dict()
+    assert "base_model" not in meta and "base_model_relation" not in meta
+    assert any("no base_model" in m and "--base-model ORG/NAME" in m for m in logs), logs
+    assert "base_model: Org/Parent-Base" in card  # still readable under "Original model card"
+    hub_src = shutil.copytree(demo["auto"], tmp_path / "hubsrc")
+    man = json.loads((hub_src / "qconvert.json").read_text())
+    man["source"]["id"] = "Qwen/Qwen3-30B-A3B"
+    (hub_src / "qconvert.json").write_text(json.dumps(man))
+    meta = ModelCard(render_card(hub_src, "org/x", source_text=src_card)).data.to_dict()
+    assert meta["base_model"] == "Qwen/Qwen3-30B-A3B" and meta["base_model_relation"] == "quantized"
+    meta = ModelCard(render_card(hub_src, "org/x", source_text=src_card, base_model="Org/Other")).data.to_dict()
+    assert meta["base_model"] == "Org/Other"
+    with pytest.raises(QConvertError, match="not a Hub model id for --base-model"):
+        render_card(hub_src, "org/x", base_model="Org/Other) [x](javascript:1)")
+
+
+def test_push_force_unverified_does_not_send_a_stale_verify_report(demo, tmp_path, hub):
+    dst = shutil.copytree(demo["auto"], tmp_path / "stale")
+    (dst / "qconvert-verify.json").write_text('{"ok": true, "stale": true}\n')  # left by an older push
+    man = json.loads((dst / "qconvert.json").read_text())
+    man["source"]["id"] = str(tmp_path / "gone")
+    (dst / "qconvert.json").write_text(json.dumps(man))
+    push(dst, "org/stale", force=True)
+    files = hub.repos["org/stale"]["branches"]["main"]
+    assert "qconvert-verify.json" not in files
+    assert "Not verified against the source" in files["README.md"].decode()
+    assert (dst / "qconvert-verify.json").read_text() == '{"ok": true, "stale": true}\n'

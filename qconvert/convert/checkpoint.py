@@ -54,7 +54,6 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
         raise CheckpointError(f"{src}: no such directory; pass a local checkpoint directory or a Hub repo id like org/name")
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.utils import HfHubHTTPError
     except ImportError:  # pragma: no cover
         raise CheckpointError("huggingface_hub is not installed; pip install huggingface_hub") from None
     try:
@@ -62,12 +61,10 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
             src, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.md", "*.tiktoken", "*.py"],
             local_files_only=not allow_download or os.environ.get("HF_HUB_OFFLINE") == "1",
         )
-    except HfHubHTTPError as e:
-        raise CheckpointError(f"{src}: cannot download from the Hub ({str(e).splitlines()[0]}); check the repo id and HF_TOKEN") from None
-    except Exception as e:  # LocalEntryNotFoundError, network errors
-        raise CheckpointError(
-            f"{src}: not a local directory and not in the Hugging Face cache ({e.__class__.__name__}); "
-            "check the path, or unset HF_HUB_OFFLINE to download it") from None
+    except Exception as e:  # HTTP errors, LocalEntryNotFoundError, network errors
+        from ..hub import hub_error_line
+
+        raise CheckpointError(f"{src}: not a local directory, and not downloaded: {hub_error_line(e)}") from None
     rev = Path(path).name
     return Path(path), rev
 

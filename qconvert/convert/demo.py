@@ -158,9 +158,10 @@ def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2))
+    title = f"{arch}, seed {seed}" if seed else arch  # seed 0: the same bytes as before --seed existed
     (dst / "README.md").write_text(
         "---\nlicense: apache-2.0\nlibrary_name: transformers\ntags:\n- qconvert-demo\n---\n\n"
-        f"# qconvert demo model ({arch})\n\nA tiny random {config['architectures'][0]} built offline by "
+        f"# qconvert demo model ({title})\n\nA tiny random {config['architectures'][0]} built offline by "
         "`qconvert demo` for tests and examples. Its outputs are meaningless.\n")
     write_sharded(dst, demo_tensors(config, seed), n_shards)
     return dst
