@@ -333,7 +333,7 @@ def unshuffle(src, dst, force):
 
 @main.command()
 @click.argument("dst")
-@click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3"]), default="qwen3-moe", show_default=True)
+@click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3", "llama-tied"]), default="qwen3-moe", show_default=True)
 @click.option("--scheme", type=click.Choice(["mxfp8", "nvfp4"]), default="mxfp8", show_default=True)
 @click.option("--last-n-bf16", type=int, default=1, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,

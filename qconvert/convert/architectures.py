@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..errors import PlanError
+
 LAYER_RE = re.compile(r"^(?P<prefix>(?:.+\.)?layers)\.(?P<idx>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
@@ -20,6 +22,9 @@ class Arch:
     moe: bool
     #: config keys of the attention shape check (None: skip, e.g. DeepSeek MLA)
     standard_attention: bool = True
+    #: transformers' default for a config.json without ``tie_word_embeddings`` (its config class);
+    #: every architecture here defaults to False, Gemma-style ones to True
+    tie_default: bool = False
 
 
 KNOWN: dict[str, Arch] = {a.name: a for a in [
@@ -41,12 +46,83 @@ def arch_of(config: dict) -> tuple[str, Arch | None]:
     return name, KNOWN.get(name)
 
 
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _where(config_path) -> str:
+    return str(config_path) if config_path else "config.json"
+
+
+def _bad(config_path, key: str, v, want: str) -> PlanError:
+    shown = "null" if v is None else repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+    return PlanError(f"{_where(config_path)}: {key} is {shown} ({type(v).__name__}), but must be {want}; "
+                     "restore the original config.json")
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def check_config(config: dict, arch: Arch | None, config_path=None) -> None:
+    """Refuse, in one line naming config.json and the key, values of the keys the plan reads that
+    have the wrong type (a string, a list, null, a bool, zero or a negative count). Keys that are
+    absent are not required; for an unknown architecture only the keys it uses are checked."""
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise _bad(config_path, "architectures", archs, "a list of class names")
+    for where, c in (("", config), ("text_config.", config.get("text_config"))):
+        if where and c is None:
+            continue
+        if not isinstance(c, dict):
+            raise _bad(config_path, "text_config", c, "an object")
+        v = c.get("tie_word_embeddings")
+        if v is not None and not isinstance(v, bool):
+            raise _bad(config_path, where + "tie_word_embeddings", v, "true or false")
+    for key in LAYER_KEYS:
+        if key in config:
+            if not _pos_int(config[key]) and not (config[key] is None and arch is None):
+                raise _bad(config_path, key, config[key], "a positive integer")
+            if config[key] is not None:
+                break
+    v = config.get("num_nextn_predict_layers")
+    if v is not None and not (_pos_int(v) or v == 0 and not isinstance(v, bool)):
+        raise _bad(config_path, "num_nextn_predict_layers", v, "an integer >= 0")
+    if arch is None:
+        return
+    keys = ["hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"]
+    if arch.moe:
+        keys += ["moe_intermediate_size", "num_experts", "n_routed_experts", "num_local_experts"]
+    for key in keys:
+        if key in config and not _pos_int(config[key]):
+            raise _bad(config_path, key, config[key], "a positive integer")
+    for key in ("num_key_value_heads", "head_dim"):  # null: transformers' default (heads, hidden/heads)
+        if config.get(key) is not None and not _pos_int(config[key]):
+            raise _bad(config_path, key, config[key], "a positive integer or null")
+
+
 def num_layers(config: dict) -> int | None:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+    """The decoder layer count config.json declares (the first layer-count key present)."""
+    for key in LAYER_KEYS:
         v = config.get(key)
-        if isinstance(v, int) and v > 0:
+        if _pos_int(v):
             return v
     return None
+
+
+def layer_key(config: dict) -> str:
+    return next((k for k in LAYER_KEYS if _pos_int(config.get(k))), "num_hidden_layers")
+
+
+def tie_word_embeddings(config: dict, arch: Arch | None) -> bool | None:
+    """Whether the output head is the input embedding, as transformers and the engines read the
+    config: true when the top-level key or ``text_config``'s (multimodal wrappers build their
+    language model from it) says so, false when one says false, else the architecture's default;
+    None when unknown (no key, unknown architecture)."""
+    said = [c["tie_word_embeddings"] for c in (config, config.get("text_config"))
+            if isinstance(c, dict) and isinstance(c.get("tie_word_embeddings"), bool)]
+    if said:
+        return any(said)
+    return arch.tie_default if arch is not None else None
 
 
 def expected_shapes(config: dict, arch: Arch) -> list[tuple[re.Pattern, tuple[int, ...], str]]:

@@ -1,7 +1,9 @@
 """Built-in tiny models in the real Hugging Face layout, made offline.
 
 ``qwen3-moe``: Qwen3MoeForCausalLM, 4 layers, 8 experts of 128x256, sharded safetensors with an
-index. ``qwen3``: the dense Qwen3ForCausalLM counterpart. Both carry a byte-level BPE tokenizer
+index. ``qwen3``: the dense Qwen3ForCausalLM counterpart. ``llama-tied``: a dense
+LlamaForCausalLM with ``tie_word_embeddings: true`` and no ``lm_head.weight`` (the head is the
+input embedding, as in Llama 3.2 1B/3B, Qwen3 0.6B-4B, SmolLM, Gemma). All carry a byte-level BPE tokenizer
 trained locally on a built-in text, so vLLM can serve them. Weights are seeded random BF16 with
 Kaiming-like scales, so activations stay O(1) and greedy decoding is not a coin toss.
 """
@@ -17,7 +19,7 @@ import torch
 from ..errors import OutputError
 from .safetensors_io import ShardWriter
 
-ARCHS = ("qwen3-moe", "qwen3")
+ARCHS = ("qwen3-moe", "qwen3", "llama-tied")
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A quantized checkpoint keeps the bytes an engine
@@ -74,6 +76,9 @@ def demo_config(arch: str, eos_id: int = 0) -> dict:
                 "output_router_logits": False, "router_aux_loss_coef": 0.001}
     if arch == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, "intermediate_size": 512}
+    if arch == "llama-tied":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "intermediate_size": 512,
+                "tie_word_embeddings": True, "mlp_bias": False, "pretraining_tp": 1}
     raise ValueError(f"unknown demo architecture {arch!r}; choose one of {ARCHS}")
 
 
@@ -89,7 +94,10 @@ def demo_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     def norm(n):
         return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": (torch.randn(v, h, generator=g)).to(torch.bfloat16)}
+    tied = config.get("tie_word_embeddings", False)
+    # a tied embedding is also the head: the untied head's scale, so logits stay O(1)
+    t = {"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * (4.0 / math.sqrt(h) if tied else 1.0)
+                                       ).to(torch.bfloat16)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(h)
@@ -98,8 +106,9 @@ def demo_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         t[p + "self_attn.k_proj.weight"] = lin(nkv * hd, h)
         t[p + "self_attn.v_proj.weight"] = lin(nkv * hd, h)
         t[p + "self_attn.o_proj.weight"] = lin(h, nh * hd)
-        t[p + "self_attn.q_norm.weight"] = norm(hd)
-        t[p + "self_attn.k_norm.weight"] = norm(hd)
+        if config.get("model_type") != "llama":  # Llama has no q/k norms
+            t[p + "self_attn.q_norm.weight"] = norm(hd)
+            t[p + "self_attn.k_norm.weight"] = norm(hd)
         if "num_experts" in config:
             ne, mi = config["num_experts"], config["moe_intermediate_size"]
             t[p + "mlp.gate.weight"] = lin(ne, h, 2.0)
@@ -114,7 +123,8 @@ def demo_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             t[p + "mlp.up_proj.weight"] = lin(inter, h)
             t[p + "mlp.down_proj.weight"] = lin(h, inter)
     t["model.norm.weight"] = norm(h)
-    t["lm_head.weight"] = lin(v, h, 4.0)
+    if not tied:
+        t["lm_head.weight"] = lin(v, h, 4.0)
     return t
 
 

@@ -393,7 +393,7 @@ def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
 def prepare(src: str, scheme: str, opts: ConvertOptions):
     ckpt = load_checkpoint(src)
     inventory = {n: (e.dtype, e.shape) for n, e in ckpt.tensors.items()}
-    plan = build_plan(inventory, ckpt.config, opts.plan)
+    plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(scheme, opts.dialect)
     jobs = build_jobs(ckpt, plan, scheme, dialect, opts)
     return ckpt, plan, dialect, jobs

@@ -15,13 +15,15 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import PlanError
-from .architectures import EXPERT_RE, LAYER_RE, Arch, arch_of, expected_shapes, num_layers
+from .architectures import (EXPERT_RE, LAYER_RE, Arch, arch_of, check_config, expected_shapes, layer_key, num_layers,
+                            tie_word_embeddings)
 
 QUANTIZE = "quantize"
 KEEP = "keep"
 
 FLOAT_SOURCE_TAGS = {"BF16", "F16", "F32"}
 QUANTIZED_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
+FP8_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0"}
 
 SCHEME_BLOCK = {"mxfp8": 32, "nvfp4": 16, "bf16": None}
 
@@ -66,6 +68,8 @@ class Plan:
     exclusions: list[str]
     notes: list[str] = field(default_factory=list)
     moe_layers: list[int] = field(default_factory=list)
+    #: True when the output head is the input embedding (tie_word_embeddings), None when unknown
+    tied_lm_head: bool | None = None
 
     @property
     def quantized(self) -> list[TensorPlan]:
@@ -122,12 +126,67 @@ def _group_id(t: TensorPlan) -> str | None:
     return f"{parent}.{g}" if g else None
 
 
-def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, options: PlanOptions) -> Plan:
-    """Decide every tensor's fate. ``inventory`` maps tensor name -> (safetensors dtype tag, shape)."""
+def decoder_layers(names, arch: Arch | None) -> tuple[str | None, list[int]]:
+    """(prefix, sorted indices) of the decoder layers present in the weights: ``model.layers`` for
+    a known architecture, else the ``…layers`` prefix holding the most tensors."""
+    per: dict[str, set[int]] = {}
+    count: dict[str, int] = {}
+    for n in names:
+        m = LAYER_RE.match(n)
+        if m:
+            per.setdefault(m.group("prefix"), set()).add(int(m.group("idx")))
+            count[m.group("prefix")] = count.get(m.group("prefix"), 0) + 1
+    if not per:
+        return None, []
+    prefix = "model.layers" if arch is not None and "model.layers" in per else max(count, key=count.get)
+    return prefix, sorted(per[prefix])
+
+
+def _check_layer_count(inventory, config, arch, n_layers, options, config_path, notes):
+    """config.json's layer count against the decoder layers in the weights (issue: a wrong count
+    made --last-n-bf16 keep the wrong layers). Refused when the count is used (--last-n-bf16 /
+    --first-n-bf16) and for known architectures, whose engines build exactly that many layers (so
+    the checkpoint would not load, or would run layers without weights); only a note for unknown
+    architectures, where the plan does not use the count and the weights' layout is not known."""
+    flags = [f for f, n in (("--last-n-bf16", options.last_n_bf16), ("--first-n-bf16", options.first_n_bf16)) if n]
+    prefix, idx = decoder_layers(inventory, arch)
+    where = str(config_path) if config_path else "config.json"
+    if flags and not idx:
+        raise PlanError(f"{flags[0]}: no tensor is named …layers.{{i}}.…, so qconvert cannot tell the decoder layers "
+                        "of this checkpoint; use --keep-bf16 patterns")
+    if n_layers is None or not idx:
+        return
+    nextn = config.get("num_nextn_predict_layers") or 0  # DeepSeek-V3-style MTP layers follow the decoder
+    if idx in (list(range(n_layers)), list(range(n_layers + nextn))):
+        return
+    held = f"{len(idx)} decoder layers ({prefix}.{idx[0]} to {prefix}.{idx[-1]}"
+    held += f", {idx[-1] + 1 - len(idx)} missing in between)" if idx[-1] + 1 != len(idx) else ")"
+    msg = (f"{where}: {layer_key(config)} is {n_layers}" + (f" (+{nextn} num_nextn_predict_layers)" if nextn else "")
+           + f" but the weights hold {held}")
+    if flags or arch is not None:
+        raise PlanError(msg + "; config.json does not describe these weights: restore the original config.json")
+    notes.append(msg + "; engines build the config's count, check that config.json belongs to these weights")
+
+
+def _head_names(tensors: dict[str, "TensorPlan"]) -> list[str]:
+    """Module names an engine gives a head it builds from the embedding: ``lm_head``, and
+    ``X.lm_head`` when the embedding is ``X.model.embed_tokens`` (wrapped language models)."""
+    out = ["lm_head"]
+    for t in tensors.values():
+        if t.kind == "embed" and t.module and t.module.endswith(".model.embed_tokens"):
+            out.append(t.module[: -len("model.embed_tokens")] + "lm_head")
+    return sorted(set(out))
+
+
+def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, options: PlanOptions,
+               config_path=None) -> Plan:
+    """Decide every tensor's fate. ``inventory`` maps tensor name -> (safetensors dtype tag, shape).
+    ``config_path`` only names config.json in error messages."""
     if options.scheme not in SCHEME_BLOCK:
         raise PlanError(f"unknown scheme {options.scheme!r}; use mxfp8, nvfp4 or bf16")
     block = SCHEME_BLOCK[options.scheme]
     arch_name, arch = arch_of(config)
+    check_config(config, arch, config_path)
     n_layers = num_layers(config)
     notes: list[str] = []
     if arch is None:
@@ -142,6 +201,8 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
             raise PlanError(f"{flag} needs num_hidden_layers in config.json, which this model lacks; use --keep-bf16 patterns")
         if n_layers is not None and n > n_layers:
             raise PlanError(f"{flag} {n} exceeds the model's {n_layers} layers")
+    _check_layer_count(inventory, config, arch, n_layers, options, config_path, notes)
+    tied = tie_word_embeddings(config, arch)
     bf16_layers: set[int] = set()
     if n_layers:
         bf16_layers |= set(range(n_layers - options.last_n_bf16, n_layers)) if options.last_n_bf16 else set()
@@ -152,6 +213,9 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
     for name in sorted(inventory, key=natural_key):
         dtype, shape = inventory[name]
         shape = tuple(shape)
+        if dtype in FP8_TAGS:  # a kept FP8 tensor would be copied as if it were BF16
+            raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints: "
+                            "dequantize it (or the checkpoint) to BF16 first")
         kind, module, layer = _classify(name, shape)
         for pat, want, desc in shape_rules:
             if pat.search(name) and shape != want:
@@ -168,6 +232,8 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
             t.reason = f"{len(shape)}-D"
         elif kind in ("embed", "norm", "router"):
             t.reason = {"embed": "embedding", "norm": "norm", "router": "MoE router"}[kind]
+        elif kind == "lm_head" and tied:
+            t.reason = "lm_head tied to the input embedding (tie_word_embeddings)"
         elif kind == "lm_head" and not options.quantize_lm_head:
             t.reason = "lm_head (pass --quantize-lm-head to quantize it)"
         elif block is None:
@@ -190,18 +256,40 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
             t.action, t.reason = QUANTIZE, "linear"
         tensors[name] = t
 
+    # The output head. With tied embeddings (or no lm_head tensor) engines still build a head
+    # module, from the config, and take its quantization from the exclusion list: vLLM builds a
+    # quantized ParallelLMHead, then ties its weight to the BF16 embedding (garbage logits; for
+    # ModelOpt NVFP4 a weight_scale that is never loaded). So the head is listed as excluded
+    # whether or not its tensor exists.
+    where = str(config_path) if config_path else "config.json"
+    has_head = any(t.kind == "lm_head" for t in tensors.values())
+    head_names: list[str] = []
+    if options.quantize_lm_head and (tied or not has_head):
+        why = ("ties it to the input embedding (tie_word_embeddings: true)" if tied
+               else "has no lm_head tensor (the head is the input embedding)")
+        raise PlanError(f"--quantize-lm-head: {where} {why}; engines use the BF16 embedding as the head "
+                        "(vLLM ties lm_head to embed_tokens), so a quantized head cannot be tied: drop --quantize-lm-head")
+    if not has_head:
+        if tied or (tied is None and arch_name.endswith(("ForCausalLM", "ForConditionalGeneration"))):
+            head_names = _head_names(tensors)
+            notes.append(f"the output head is the input embedding (tie_word_embeddings); {', '.join(head_names)} "
+                         "listed as excluded so every engine keeps it BF16")
+
     moe_layers = sorted({t.layer for t in tensors.values() if t.kind == "expert" and t.layer is not None})
     _harmonize_groups(tensors, notes)
     _harmonize_experts(tensors, notes)
 
     for p in options.keep_bf16:
-        if not any(fnmatch.fnmatchcase(t.module or "", p) or fnmatch.fnmatchcase(t.name, p) for t in tensors.values()):
+        if not any(fnmatch.fnmatchcase(t.module or "", p) or fnmatch.fnmatchcase(t.name, p) for t in tensors.values()) \
+                and not any(fnmatch.fnmatchcase(h, p) for h in head_names):
             notes.append(f"--keep-bf16 {p!r} matched no tensor")
     if block is not None and not any(t.action == QUANTIZE for t in tensors.values()):
         raise PlanError("no tensor would be quantized (no 2-D Linear weights with a suitable K outside the kept layers); "
                         "nothing to convert")
-    exclusions = exclusion_list(tensors, sorted(bf16_layers), options, moe_layers)
-    return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers)
+    exclusions = sorted(set(exclusion_list(tensors, sorted(bf16_layers), options, moe_layers)) | set(head_names),
+                        key=natural_key)
+    return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers,
+                tied)
 
 
 def _keep_mixed_groups(groups: dict[str, list[TensorPlan]], reason, note) -> list[str]:
