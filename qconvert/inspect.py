@@ -1,6 +1,6 @@
 """``qconvert inspect``: what a checkpoint directory holds, from its config and tensor headers alone.
 
-Detects the format (BF16, MXFP8, NVFP4, FP8) and on-disk dialect (formats.md §4, §5) of
+Detects the format (BF16, MXFP8, NVFP4, FP8) and on-disk dialect (docs/formats.md#mxfp8-dialects, docs/formats.md#nvfp4) of
 checkpoints written by qconvert and by other tools (ModelOpt, compressed-tensors, miles), and
 pre-shuffled FlashInfer TRT-LLM expert layouts through the layout contract recorded in
 ``qconvert.json``. Only safetensors headers are read, never tensor data, so it is instant even on
@@ -357,14 +357,14 @@ def find_layouts(manifest: dict | None) -> list[dict]:
 class EngineSupport:
     engine: str  # vllm | sglang
     loads: bool
-    gpus: str  # which GPU generations (formats.md §4.2, §4.3, §5.5, §7)
+    gpus: str  # which GPU generations (docs/formats.md#compatibility)
     flags: list[str]  # extra launch flags
     note: str = ""
     alt: list[tuple[str, list[str]]] = field(default_factory=list)  # (gpus, flags) for other generations
 
 
 def engine_support(scheme: str, dialect: str, moe: bool = False, layout: dict | None = None) -> list[EngineSupport]:
-    """Which engines load (scheme, dialect) and how (formats.md §7, vLLM 0.33 / SGLang 0.5.23)."""
+    """Which engines load (scheme, dialect) and how (docs/formats.md#compatibility, vLLM 0.33 / SGLang 0.5.23)."""
     moe_flags = ["--moe-runner-backend", "flashinfer_trtllm_routed"] if moe else []
     if layout:
         eng = layout.get("engine", "?")

@@ -3,11 +3,11 @@
 Checks, each reported with the file or tensor it concerns and the fix:
 
 * structure: every source tensor is in DST, either byte-identical (kept) or as the tensors the
-  detected format and dialect require (names, dtypes, shapes per formats.md §1, §4, §5); no
+  detected format and dialect require (names, dtypes, shapes per docs/formats.md#tensor-names); no
   unexpected tensors; config.json equal to the source's apart from ``quantization_config``;
   index consistent with the shards;
 * exclusion list: every BF16-kept Linear module is excluded, and no quantized one is, under the
-  matching rules of each engine that reads this dialect (formats.md §6.3); the copies of the list
+  matching rules of each engine that reads this dialect (docs/formats.md#exclusion-matchers); the copies of the list
   (``ignored_layers`` / ``modules_to_not_convert`` / ``ignore`` / ``hf_quant_config.json`` /
   ``qconvert.json``) agree;
 * manifest: scheme, dialect and per-module formats match the tensors; output sha256;
@@ -117,7 +117,7 @@ class VerifyReport:
         return d
 
 
-# ---- exclusion-list matchers (formats.md §6.3) --------------------------------------------------
+# ---- exclusion-list matchers (docs/formats.md#exclusion-matchers) --------------------------------------------------
 
 def _sglang_modelopt_excluded(prefix: str, entries: list[str], fused_moe: bool) -> bool:
     """SGLang ModelOpt: Linear uses the dotted rule or ``is_layer_excluded``; FusedMoE only the latter."""
@@ -169,7 +169,7 @@ def matchers(scheme: str, dialect: str) -> list[tuple[str, Callable[[str, list[s
 def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     try:
         from .convert.numerics.nvfp4 import nvfp4_dequantize
-    except ImportError:  # numerics not present in this build: decode here (formats.md §5.1)
+    except ImportError:  # numerics not present in this build: decode here (docs/formats.md#nvfp4-encoding)
         lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1).long()
         vals = lut[codes].reshape(*codes.shape[:-1], -1, 16)

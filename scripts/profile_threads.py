@@ -10,7 +10,7 @@ checksums on) and what the others wait on (``wait@threading.py`` lines: queue or
     python scripts/profile_threads.py nvfp4 SRC DST [--no-checksums] [--top 7]
 
 Python-level only: a thread inside a C call (quantizer kernel, pwrite, sha256) shows as the line
-that called it. For where the CPU goes inside those calls, use ``perf`` (BENCHMARKS.md).
+that called it. For where the CPU goes inside those calls, use ``perf`` (docs/benchmarks-history.md#latest-run-2026-12-04-a-floor-that-reads-every-input-page-todays-vm).
 """
 
 from __future__ import annotations

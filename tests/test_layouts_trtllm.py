@@ -128,7 +128,7 @@ def test_swizzle_equals_vllm(vllm_swizzles, monkeypatch, rows, cols):
 
 
 def test_swizzle_offset_formula():
-    """Spec formula of layouts.md §1.5 (transcribed from FlashInfer's computeSFIndex)."""
+    """Formula of docs/layouts.md#scale-swizzle-128x4 (transcribed from FlashInfer's computeSFIndex)."""
     rows, cols = 200, 6
     mp, kp = 256, 8
     s = torch.randint(1, 255, (rows, cols), dtype=torch.uint8, generator=_gen(3))
@@ -311,7 +311,7 @@ def test_nvfp4_vllm_equals_vllm_preparation(vllm_prep, cpu_block_scale_interleav
 
 
 def test_mxfp8_vllm_padding_and_zero_bytes():
-    """vLLM 0.33 MXFP8 rule (layouts.md §3): I -> 128, H -> 256 per half, weights 0, scale 127;
+    """vLLM 0.33 MXFP8 rule (docs/layouts.md#padding): I -> 128, H -> 256 per half, weights 0, scale 127;
     E8M0 byte 0 is never written."""
     e, i, h = 2, 96, 160
     q13, s13, q2, s2 = _mxfp8(e, i, h, 5)
@@ -409,7 +409,7 @@ def test_round_trip_is_identity(scheme, engine, e, i_units, h_units, tp, seed):
 @pytest.mark.parametrize("scheme", L.SCHEMES)
 @pytest.mark.parametrize("engine", L.ENGINES)
 def test_shard_of_full_transform_equals_rank_transform(scheme, engine):
-    """layouts.md §6: per-rank tensors cut from the transformed full tensors."""
+    """docs/layouts.md#per-rank-cuts: per-rank tensors cut from the transformed full tensors."""
     e, i, h, tp = 2, 512, 256, 2
     p = _plain(scheme, e, i, h, _gen(7))
     full = L.to_trtllm(scheme, engine, **p)

@@ -1,4 +1,4 @@
-"""MXFP8 numerics against other projects' quantizers (formats.md §3).
+"""MXFP8 numerics against other projects' quantizers (docs/formats.md#mxfp8-scale-rule).
 
 Oracles: vLLM's ``_mxfp8_e4m3_quantize_torch`` (RCEIL), torchao's ``to_mx`` in RCEIL and FLOOR
 modes, compressed-tensors' ``generate_mx_scales``. qconvert's one declared deviation is that
@@ -197,7 +197,7 @@ def _mantissa_sweep(exponents=(-100, -10, 0, 5, 8, 60, 120)):
 
 
 def test_floor_and_compressed_tensors_differ_exactly_where_formats_md_says(torchao_mx):
-    """§3.3: FLOOR (torchao default) differs from RCEIL exactly for mantissas > 1.75 (31 of
+    """docs/formats.md#mxfp8-other-scale-rules: FLOOR (torchao default) differs from RCEIL exactly for mantissas > 1.75 (31 of
     128 BF16 mantissas, ~24 %), compressed-tensors only at exactly 1.75 (1 of 128)."""
     ct = pytest.importorskip("compressed_tensors.quantization.utils.mxfp_utils")
     to_mx, mode = torchao_mx

@@ -1,4 +1,4 @@
-"""NVFP4 numerics (formats.md §5) against other projects and independent references.
+"""NVFP4 numerics (docs/formats.md#nvfp4) against other projects and independent references.
 
 * ``recipe="modelopt"``: bit-exact against ModelOpt's own ``NVFP4QTensor`` (CPU).
 * ``recipe="te"``: TransformerEngine needs a Blackwell GPU and FlashInfer's FP4 kernels are
@@ -389,8 +389,8 @@ def test_te_recipe_matches_numpy_reference_where_orders_matter():
 
 
 def test_te_and_modelopt_differ_on_a_small_fraction():
-    """formats.md §5.3: the two operation orders pick a different E4M3 block scale on a small
-    fraction of blocks (0.14 % in the spec's sample). The rate depends on the global amax
+    """docs/formats.md#nvfp4-block-scale-recipes: the two operation orders pick a different E4M3 block scale on a small
+    fraction of blocks (0.14 % in the sample of docs/formats.md#nvfp4-block-scale-recipes). The rate depends on the global amax
     (it is 0 for many values and ~1 % for some, e.g. when 2688/g is a short binary fraction),
     so this aggregates over tensors with varied amax and checks the kind of every difference."""
     n_blocks = n_codes = d_blocks = d_codes = 0

@@ -3,7 +3,7 @@
 vLLM: the written config is parsed with vLLM's own quantization-config class and its exclusion
 function is asked, module by module in vLLM's naming (fused qkv_proj / gate_up_proj, experts,
 router, lm_head), whether the module is quantized. SGLang cannot be imported here; its dotted-path
-rule is checked through qconvert's transcription of it (formats.md §6.3), which is weaker.
+rule is checked through qconvert's transcription of it (docs/formats.md#exclusion-matchers), which is weaker.
 """
 
 from __future__ import annotations

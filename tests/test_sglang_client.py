@@ -5,7 +5,7 @@ SGLang cannot run on a CPU-only machine and its ``io_struct`` module does not im
 its GPU dependencies, so the struct definitions are read from the sglang package *source*
 (``sglang/srt/managers/io_struct.py``, parsed with ``ast``: field names, which have defaults, and
 annotations) when the package, or an unpacked wheel named by ``QCONVERT_SGLANG_SRC``, is
-present. Otherwise the fields documented in the spec (reload.md §2.2, SGLang 0.5.23) are used;
+present. Otherwise the fields in docs/reload.md#sglang-endpoints (SGLang 0.5.23) are used;
 ``test_struct_source`` reports which.
 """
 
@@ -29,7 +29,7 @@ from tests.test_reload_clients import FakeServer
 STRUCTS = ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightFromDiskReqInput",
            "UpdateWeightFromDiskReqOutput", "CheckWeightsReqInput")
 
-# reload.md §2.2 (SGLang 0.5.23): name -> (required?, python types accepted)
+# docs/reload.md#sglang-endpoints (SGLang 0.5.23): name -> (required?, python types accepted)
 DOCUMENTED = {
     "PauseGenerationReqInput": {"mode": (False, (str,))},
     "ContinueGenerationReqInput": {"torch_empty_cache": (False, (bool,))},
@@ -77,7 +77,7 @@ def _types_of(ann: str) -> tuple:
 def load_structs() -> tuple[str, dict]:
     src = _io_struct_source()
     if src is None:
-        return "documented fields (reload.md §2.2)", DOCUMENTED
+        return "documented fields (docs/reload.md#sglang-endpoints)", DOCUMENTED
     tree = ast.parse(src.read_text())
     out: dict = {}
     literals: dict = {}

@@ -1,13 +1,13 @@
 """On-disk dialects: the config.json ``quantization_config`` and tensor names each engine loads.
 
-MXFP8 (formats.md §4):
-  ``auto``     the single dialect both engines' disk loaders accept (§4.1): ``quant_method: mxfp8``,
+MXFP8 (docs/formats.md#mxfp8-dialects):
+  ``auto``     the single dialect both engines' disk loaders accept (docs/formats.md#why-auto-loads-in-both): ``quant_method: mxfp8``,
                ``X.weight_scale`` uint8, the exclusion list under ``ignored_layers`` (vLLM reads only
                this, SGLang prefers it) and ``modules_to_not_convert``.
-  ``sglang``   miles-style (§4 A): ``X.weight_scale_inv`` uint8, ``modules_to_not_convert``. SGLang only.
-  ``modelopt`` ModelOpt (§4 B): ``quant_method: modelopt``, ``quant_algo: MXFP8``, ``ignore`` and
+  ``sglang``   miles-style (docs/formats.md#mxfp8-dialects): ``X.weight_scale_inv`` uint8, ``modules_to_not_convert``. SGLang only.
+  ``modelopt`` ModelOpt (docs/formats.md#the-modelopt-dialect): ``quant_method: modelopt``, ``quant_algo: MXFP8``, ``ignore`` and
                ``hf_quant_config.json`` with ``exclude_modules``.
-NVFP4 (formats.md §5):
+NVFP4 (docs/formats.md#nvfp4):
   ``modelopt``            ``X.weight`` uint8 [N, K/2], ``X.weight_scale`` e4m3 [N, K/16],
                           ``X.weight_scale_2`` fp32 [] (amax/2688, decode), ``X.input_scale`` fp32 [];
                           ``quant_method: modelopt``, ``quant_algo: NVFP4``, ``ignore``.
@@ -168,7 +168,7 @@ def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> 
 
 
 def engines_for(scheme: str, dialect: str) -> list[str]:
-    """Which engines' disk loaders read this dialect (formats.md §7)."""
+    """Which engines' disk loaders read this dialect (docs/formats.md#compatibility)."""
     return {
         ("mxfp8", "auto"): ["vllm", "sglang"],
         ("mxfp8", "sglang"): ["sglang"],

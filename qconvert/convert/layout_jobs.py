@@ -1,7 +1,7 @@
 """Pipeline jobs that write MoE experts pre-shuffled for the FlashInfer TRT-LLM kernels.
 
 One job per MoE layer: every expert tensor of the layer in, the engine's post-processing
-parameters out (layouts.md), per (TP, EP) rank. Non-expert tensors keep their normal jobs.
+parameters out (docs/layouts.md), per (TP, EP) rank. Non-expert tensors keep their normal jobs.
 
 Tensor names live under a namespace no engine's stock loader maps onto its parameters, so
 kernel-layout bytes never land in checkpoint-layout parameters. Stock vLLM 0.32 skips such names

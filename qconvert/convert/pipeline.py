@@ -40,7 +40,7 @@ from .safetensors_io import (BackgroundSha256, ShardReader, ShardWriter, hub_cac
                              sha256_file)
 
 MANIFEST_NAME = "qconvert.json"
-MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (formats.md §3)"
+MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (docs/formats.md#mxfp8-scale-rule)"
 NVFP4_SCALE_RULE = {
     "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
     "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
@@ -170,7 +170,7 @@ CUDA_QUANTIZERS = ("triton", "eager", "compile")
 def cuda_quantizer(device: str) -> str:
     """Which CUDA core the pipeline uses, from QCONVERT_CUDA_QUANTIZER (QCONVERT_COMPILE=1 is the
     older spelling of "compile"). Compiling is opt-in: it compiles once per tensor shape, which
-    cost a whole conversion 3.6-5x the I/O floor on an H200 (BENCHMARKS.md)."""
+    cost a whole conversion 3.6-5x the I/O floor on an H200 (docs/benchmarks-history.md#earlier-run-2026-12-02-one-pass-triton-kernels-the-pipelines-cuda-default)."""
     choice = os.environ.get("QCONVERT_CUDA_QUANTIZER", "")
     if not choice:
         choice = "compile" if os.environ.get("QCONVERT_COMPILE", "0") == "1" else "triton"

@@ -3,7 +3,7 @@
 Pure: works on the tensor inventory (name -> dtype tag, shape) and config.json, does no I/O.
 
 The exclusion list uses only entry forms that mean the same under SGLang's dotted-path matcher and
-vLLM's substring + fnmatch matcher (formats.md §6.4): ``model.layers.{i}.`` (trailing dot) for a
+vLLM's substring + fnmatch matcher (docs/formats.md#exclusion-entry-forms): ``model.layers.{i}.`` (trailing dot) for a
 whole BF16 layer, exact module paths otherwise, ``...mlp.experts`` for BF16 expert groups, never a
 glob.
 """
@@ -330,7 +330,7 @@ def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
 
 def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], options: PlanOptions,
                    moe_layers: list[int]) -> list[str]:
-    """The list written under the config's exclusion keys (formats.md §6.4)."""
+    """The list written under the config's exclusion keys (docs/formats.md#exclusion-entry-forms)."""
     entries: set[str] = set()
     layer_prefix: dict[int, str] = {}
     for t in tensors.values():
@@ -350,7 +350,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
         if t.action == KEEP:
             entries.add(t.module)
     # BF16 experts: the layer prefix covers them for dotted/substring matchers, but SGLang's
-    # ModelOpt FusedMoE matcher needs the experts module itself (formats.md §6.2, §6.3).
+    # ModelOpt FusedMoE matcher needs the experts module itself (docs/formats.md#exclusion-matchers).
     entries |= expert_prefixes_kept - expert_prefixes_quant
     return sorted(entries, key=natural_key)
 
@@ -358,7 +358,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
 # ---- matchers: how each engine reads the list (used by tests and `verify`) ----------------------
 
 def sglang_dotted_excluded(prefix: str, entries: list[str]) -> bool:
-    """SGLang Fp8Config's dotted-path rule (formats.md §6.3), on an HF module path."""
+    """SGLang Fp8Config's dotted-path rule (docs/formats.md#exclusion-matchers), on an HF module path."""
     forms = set()
     for e in entries:
         e = e.rstrip(".")
@@ -375,7 +375,7 @@ VLLM_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 
 
 def vllm_substring_excluded(prefix: str, entries: list[str]) -> bool:
-    """vLLM ModelOpt-style rule on a vLLM module prefix (formats.md §6.3): exact (a fused module is
+    """vLLM ModelOpt-style rule on a vLLM module prefix (docs/formats.md#exclusion-matchers): exact (a fused module is
     excluded when its shards are listed), plain substring anywhere, or fnmatch."""
     parent, _, last = prefix.rpartition(".")
     if last in VLLM_PACKED and all(f"{parent}.{s}" in entries for s in VLLM_PACKED[last]):

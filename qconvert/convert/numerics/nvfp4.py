@@ -1,5 +1,5 @@
 """NVFP4: E2M1 elements, one E4M3 block scale per 1x16 block along the last axis, one fp32
-global scale per tensor (formats.md §5).
+global scale per tensor (docs/formats.md#nvfp4).
 
 Layout: codes are 4-bit (sign in bit 3, magnitude index in bits 2..0 of
 {0, 0.5, 1, 1.5, 2, 3, 4, 6}); element 2j goes in the low nibble of byte j. Block scales are
@@ -10,7 +10,7 @@ the reciprocal, ``2688 / global_amax``, as ``weight_global_scale``.
 Every producer computes "block scale = block_amax / 6 relative to the global scale, rounded
 to E4M3; element = x / (block scale * global decode scale), rounded to E2M1", but in a
 different fp32 operation order, so the bytes differ on a small fraction of blocks
-(formats.md §5.3). "Bit-exact" therefore has to name a reference; two are implemented:
+(docs/formats.md#nvfp4-block-scale-recipes). "Bit-exact" therefore has to name a reference; two are implemented:
 
 ``recipe="te"``
     TransformerEngine's ``NVFP4Quantizer`` (1-D, no RHT, no stochastic rounding), which
@@ -41,7 +41,7 @@ different fp32 operation order, so the bytes differ on a small fraction of block
     scales 1.0 (ModelOpt's own zero-block value) and ``scale_2 = 0``, which decodes to zeros.
 
 ``g`` is the global amax: ``max|x|`` unless the caller passes ``global_amax`` (the max over a
-fused group such as q/k/v or gate/up, §5.4; it must be >= max|x| of this tensor). All
+fused group such as q/k/v or gate/up, docs/formats.md#nvfp4-shared-global-scales; it must be >= max|x| of this tensor). All
 arithmetic is IEEE fp32 (tensor ops, no host round trips, except the per-tensor scalars of the
 CPU C-kernel path, which are numpy fp32 scalars with the same operations), so CPU and CUDA give
 the same bytes. NaN inputs give magnitude code 7; their sign is not specified.
@@ -212,7 +212,7 @@ def _block_scales_te(blk_amax: torch.Tensor, g: torch.Tensor):
     flt_max = _f32(_FLT_MAX, dev)
     s_enc6, s_dec = te_tensor_scalars(g)
     s = blk_amax * s_enc6
-    # CUDA's E4M3 conversion saturates; PyTorch's CUDA cast does not (formats.md §3.4).
+    # CUDA's E4M3 conversion saturates; PyTorch's CUDA cast does not (docs/formats.md#cuda-e4m3-cast-does-not-saturate).
     scale = torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
     inv = torch.minimum(_f32(1.0, dev) / (scale.float() * s_dec), flt_max)
     return scale, inv
