@@ -18,7 +18,7 @@ Prints one line per broken citation, ``path:line: citation: why``, and exits 1 i
     python scripts/check_doc_citations.py [--root DIR]
 
 ``--apply TSV`` rewrites citations from a table with the columns ``file, line, old, new`` (tab
-separated, header line first;): each ``old`` text is replaced by ``new`` on
+separated, header line first): each ``old`` text is replaced by ``new`` on
 that line, or, when lines moved, at the file's only occurrence of ``old`` nearest to it. Rows it
 cannot place are printed and make the exit status 1.
 """
