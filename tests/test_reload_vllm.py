@@ -123,7 +123,16 @@ KINDS = ["qwen3:bf16", "qwen3-moe:bf16", "qwen3:mxfp8", "qwen3-moe:mxfp8", "qwen
          "qwen3:nvfp4", "qwen3-moe:nvfp4", "qwen3:nvfp4-w4a4"]
 
 
-@pytest.fixture(scope="module", params=KINDS, ids=lambda k: k.replace(":", "-"))
+def _kind_id(kind: str) -> str:
+    return kind.replace(":", "-")
+
+
+def on_kinds(*kinds: str):
+    """Run a test on these kinds only (the same module-scoped servers, reused)."""
+    return pytest.mark.parametrize("served", kinds, indirect=True, ids=_kind_id)
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=_kind_id)
 def served(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind.replace(":", "-"))
@@ -157,11 +166,10 @@ def test_reload_changes_then_restores_outputs(served):
     assert requests.get(srv.url + "/is_paused", timeout=10).json()["is_paused"] is False
 
 
+@on_kinds("qwen3-moe:bf16", "qwen3-moe:mxfp8")  # one fresh-server comparison per MoE kind
 def test_reload_b_equals_fresh_server_on_b(served):
     """The reloaded engine computes exactly what a server started on B computes (catches kernels
     that keep state from the first load, e.g. prepacked experts)."""
-    if served["kind"] not in ("qwen3-moe:bf16", "qwen3-moe:mxfp8"):
-        pytest.skip("one fresh-server comparison per MoE kind keeps the run short")
     srv, b = served["srv"], served["b"]
     reload_vllm([srv.url], b, weight_version="B-fresh")
     reloaded = srv.greedy()
@@ -181,9 +189,8 @@ def _generate(url: str, token_ids: list[int]) -> dict:
         "application/json") else r.text}
 
 
+@on_kinds("qwen3-moe:bf16")
 def test_concurrent_requests_during_wait_reload(served):
-    if served["kind"] != "qwen3-moe:bf16":
-        pytest.skip("run on one kind")
     srv = served["srv"]
     reload_vllm([srv.url], served["a"], weight_version="V-old")
     results: list[dict] = []
@@ -219,9 +226,8 @@ def test_concurrent_requests_during_wait_reload(served):
     reload_vllm([srv.url], served["a"], weight_version="A2")
 
 
+@on_kinds("qwen3:bf16", "qwen3-moe:mxfp8")  # one dense and one quantized MoE kind
 def test_truncated_shard_fails_with_server_message_and_rolls_back(served):
-    if served["kind"] not in ("qwen3:bf16", "qwen3-moe:mxfp8"):
-        pytest.skip("run on one dense and one quantized MoE kind")
     srv, b = served["srv"], served["b"]
     reload_vllm([srv.url], served["a"], weight_version="A-before-broken")
     broken = served["root"] / "broken"
@@ -245,11 +251,10 @@ def test_truncated_shard_fails_with_server_message_and_rolls_back(served):
     assert requests.get(srv.url + "/weight_info", timeout=10).json()["weight_version"] == "A-before-broken"
 
 
+@on_kinds("qwen3-moe:mxfp8")
 def test_refit_live_weights_equal_converted_reload(served):
     """qconvert.refit quantizes B's BF16 weights on the trainer side, stages them in shared memory
     and reloads them: the server's outputs equal reloading the converted B checkpoint."""
-    if served["kind"] != "qwen3-moe:mxfp8":
-        pytest.skip("run on the quantized MoE kind")
     from safetensors.torch import load_file
 
     from qconvert.convert.pipeline import ConvertOptions

@@ -271,9 +271,9 @@ def test_converted_checkpoints_load_generate_and_use_cpu_methods(family):
             assert layers["model.layers.0.mlp.gate_up_proj"] == LINEAR_METHOD[key], key
 
 
+# dense compressed-tensors NVFP4 runs (the tests above); only MoE is refused
+@pytest.mark.parametrize("family", ["qwen3-moe"], indirect=True)
 def test_compressed_tensors_nvfp4_moe_is_refused(family):
-    if family["arch"] != "qwen3-moe":
-        pytest.skip("dense compressed-tensors NVFP4 runs (see the other tests)")
     err = family["refused"]
     assert err and err.startswith("NotImplementedError"), err
     assert "compressed-tensors NVFP4 MoE" in err and "vLLM 0.32.0" in err, err
@@ -428,9 +428,237 @@ def test_version_pin(monkeypatch):
     assert plugin.check_vllm_version("0.31.1") == "0.31.1"
 
 
+def test_plugin_classes_unpickle_in_another_process():
+    """vLLM's CPU build spawns its engine core and pickles the config into it: every class the
+    plugin defines pickles by qualified name and unpickles, in a fresh process that has not
+    registered anything, to the class that process's plugin module defines."""
+    import pickle
+    import subprocess
+    import sys
+
+    from qconvert.loaders import vllm_cpu_plugin as plugin
+
+    blobs = {name: pickle.dumps(getattr(plugin, name)).hex() for name in plugin.CLASS_NAMES}
+    assert "CpuMxfp8Config" in blobs and "CpuNvfp4Config" in blobs
+    code = (
+        "import json, pickle, sys\n"
+        "blobs = json.loads(sys.stdin.read())\n"
+        "out = {n: pickle.loads(bytes.fromhex(b)) for n, b in blobs.items()}\n"
+        "from qconvert.loaders import vllm_cpu_plugin as p\n"
+        "print(json.dumps({n: [c is getattr(p, n), c.__module__, c.__qualname__] for n, c in out.items()}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(blobs), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {n: [True, plugin.__name__, n] for n in plugin.CLASS_NAMES}
+
+
 def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps.get("qconvert_cpu_emulation") == "qconvert.loaders.vllm_cpu_plugin:register"
 
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's default settings: engine core in its own (spawned) process, compiled model
+# --------------------------------------------------------------------------------------------
+
+# MoE demo checkpoints: between them every class of the plugin but the compressed-tensors one
+# (MXFP8 linear + experts, NVFP4 W4A16 linear + experts, NVFP4 W4A4 linear + experts)
+DEFAULT_SETTINGS_FORMATS = ["auto", "nv_a16", "nv_a4"]
+DEFAULT_SETTINGS_TOP_K = 5
+
+# What a user writes: LLM(model=...) and nothing else. Each model is loaded, hot-reloaded to its
+# _b twin and back (reload_weights under the compiled model); then the twin is loaded fresh.
+_DEFAULT_SETTINGS_SCRIPT = r"""
+import gc, json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+spec = json.loads(sys.argv[1])
+params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=spec["top_k"],
+                        ignore_eos=True)
+
+
+def generate(llm):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "gen_logprobs": [[{str(t): float(lp.logprob) for t, lp in d.items()}
+                          for d in o.outputs[0].logprobs] for o in outs],
+    }
+
+
+result = []
+for model, other in spec["models"]:
+    llm = LLM(model=model)
+    stages = [generate(llm)]
+    for weights in (other, model):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
+        stages.append(generate(llm))
+    del llm
+    gc.collect()
+    llm = LLM(model=other)
+    stages.append(generate(llm))
+    del llm
+    gc.collect()
+    result.append(stages)
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_default_settings_llm_loads_generates_and_reloads(tmp_path):
+    """``LLM(model=...)`` with vLLM's defaults (no ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no
+    ``enforce_eager``): the plugin's config classes are pickled into the spawned engine core
+    and the MoE experts run inside vLLM's compiled model. A hot reload to the _b twin equals a
+    fresh load of the twin exactly, reloading back restores the first outputs exactly, and the
+    outputs are close to the eager in-process run (:func:`run_in_vllm`) of the same checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    from qconvert.convert.demo import build_demo_model
+    from qconvert.loaders.vllm_compare import compare_logprobs, run_in_vllm
+
+    src = build_demo_model(tmp_path / "bf16", arch="qwen3-moe", seed=0)
+    src_b = build_demo_model(tmp_path / "bf16_b", arch="qwen3-moe", seed=1)
+    pairs = [
+        (convert_with_qconvert(src, tmp_path / k, k), convert_with_qconvert(src_b, tmp_path / f"{k}_b", k))
+        for k in DEFAULT_SETTINGS_FORMATS
+    ]
+    spec = {"models": [[str(a), str(b)] for a, b in pairs], "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS, "top_k": DEFAULT_SETTINGS_TOP_K}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    # vLLM CPU's default KV cache is 90 % of the machine's RAM and refuses to start unless that
+    # much is free (the README's server command sets the same variable); the compile cache goes
+    # to tmp_path so the model is really compiled, not read from an earlier run's cache
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    p = subprocess.run([sys.executable, "-c", _DEFAULT_SETTINGS_SCRIPT, json.dumps(spec)],
+                       env=env, capture_output=True, text=True, timeout=1500)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "RESULT " in p.stdout, out[-4000:]
+    default = json.loads(p.stdout.split("RESULT ", 1)[1])
+
+    for i, key in enumerate(DEFAULT_SETTINGS_FORMATS):
+        loaded, reloaded, back, fresh_b = default[i]
+        assert _all_finite_gen(loaded) and _all_finite_gen(fresh_b), key
+        # the reload under the compiled model computes what a fresh load of the twin computes
+        assert reloaded == fresh_b, key
+        assert reloaded["tokens"] != loaded["tokens"], key
+        assert back == loaded, key
+    # compiled default mode vs the eager in-process run of the MXFP8 checkpoint: same greedy
+    # tokens, but logprobs differ (measured mean KL 0.039 over the top-5, largest logprob
+    # difference 2.6; cause not investigated), so only a loose bound
+    eager = run_in_vllm([str(pairs[0][0])], PROMPTS, MAX_TOKENS, top_k=DEFAULT_SETTINGS_TOP_K)["jobs"]
+    fresh, loaded = eager[0]["stages"][0], default[0][0]
+    assert fresh["tokens"] == loaded["tokens"]
+    m = compare_logprobs(fresh["gen_logprobs"], loaded["gen_logprobs"])
+    assert m["mean_kl"] < 0.1, m["mean_kl"]
+
+
+def _all_finite_gen(stage) -> bool:
+    vals = [v for seq in stage["gen_logprobs"] for pos in seq for v in pos.values()]
+    return bool(vals) and all(math.isfinite(v) for v in vals)
+
+
+# --------------------------------------------------------------------------------------------
+# the README's server command, as written
+# --------------------------------------------------------------------------------------------
+
+
+def readme_server_commands() -> tuple[str, str]:
+    """The README's vLLM server command (continuation lines joined) and the reload command that
+    follows it, read from README.md so that the two cannot drift apart."""
+    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines)
+                 if ln.startswith("    ") and "vllm.entrypoints.openai.api_server" in ln)
+    server, i = "", start
+    while True:
+        part = lines[i].strip()
+        server += part.removesuffix("\\").rstrip() + " "
+        i += 1
+        if not part.endswith("\\"):
+            break
+    reload_cmd = lines[i].strip()
+    assert reload_cmd.startswith("qconvert reload vllm http://127.0.0.1:8000 "), reload_cmd
+    return server.strip(), reload_cmd
+
+
+@pytest.mark.slow
+def test_readme_server_command_serves_and_reloads(tmp_path):
+    """README's two hot-reload lines, run as written in a directory holding ``./q`` (the MXFP8 MoE
+    checkpoint of ``qconvert demo``) and ``./q-step-42`` (the same conversion of another seed),
+    with only the port changed: the server starts with vLLM's defaults (compiled model, engine
+    core in its own process), answers a completion, and the reload changes its answer."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import requests
+    from click.testing import CliRunner
+
+    from qconvert.cli import main
+    from qconvert.convert.demo import build_demo_model
+
+    server_cmd, reload_cmd = readme_server_commands()
+    r = CliRunner().invoke(main, ["demo", str(tmp_path / "demo")])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "demo" / "mxfp8-last1-bf16").rename(tmp_path / "q")
+    src_b = build_demo_model(tmp_path / "bf16_b", arch="qwen3-moe", seed=1)
+    r = CliRunner().invoke(main, ["mxfp8", str(src_b), str(tmp_path / "q-step-42"), "--last-n-bf16", "1"])
+    assert r.exit_code == 0, r.output
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    # a shell as a user has it after activating the venv: its bin/ first on PATH; no VLLM_* set
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")  # compile for real, not from a cache
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(["bash", "-c", f"{server_cmd} --port {port}"], cwd=tmp_path, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert proc.poll() is None, f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+            assert time.time() < deadline, f"no /health in 900 s:\n{log.read_text()[-4000:]}"
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+
+        def complete() -> str:
+            model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            resp = requests.post(url + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0.0, "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            assert body["usage"]["completion_tokens"] == 8, body
+            return body["choices"][0]["text"]
+
+        before = complete()
+        rel = subprocess.run(["bash", "-c", reload_cmd.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert rel.returncode == 0, rel.stdout + rel.stderr
+        after = complete()
+        assert after != before, (before, after)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

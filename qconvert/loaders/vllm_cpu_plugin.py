@@ -33,6 +33,11 @@ tensors NVFP4 MoE (refused by the config subclass; vLLM would fail in Triton), M
 than SiLU, expert parallelism, and any vLLM version outside :data:`SUPPORTED_VLLM_VERSIONS`
 (``register`` raises; set ``QCONVERT_VLLM_CPU_PLUGIN_ANY_VERSION=1`` to try anyway).
 
+vLLM's defaults work: the CPU build spawns its engine core and pickles the config into it, so the
+classes are attributes of this module (built on first use, :func:`__getattr__`); and it compiles
+the model, tracing the MoE layer's ``apply``, so the expert loop (which reads the routing on the
+host) runs as the opaque custom op :func:`cpu_moe_experts`.
+
 Hot reload: the MoE methods keep the checkpoint-layout parameters (FP8/uint8) as the layer's
 registered parameters and hold the dequantized BF16 copies in separate attributes, so vLLM's
 ``reload_weights`` can write new checkpoint bytes and re-run ``process_weights_after_loading``.
@@ -52,6 +57,22 @@ ANY_VERSION_ENV = "QCONVERT_VLLM_CPU_PLUGIN_ANY_VERSION"
 
 _REGISTERED = False
 _log = logging.getLogger("qconvert.vllm_cpu_plugin")
+
+#: The vLLM subclasses this module defines (built on first use, see :func:`_classes`). They are
+#: attributes of this module under these names, so pickle finds them: vLLM's CPU build starts its
+#: engine core with ``spawn`` and pickles the config (a ``CpuMxfp8Config`` instance included).
+CLASS_NAMES = (
+    "_PlainTorchExperts",
+    "CpuModelOptMxFp8FusedMoE",
+    "CpuModelOptNvFp4FusedMoE",
+    "TorchNvfp4W4A16Kernel",
+    "CpuModelOptNvFp4W4A16LinearMethod",
+    "CpuCtNvfp4W4A16",
+    "CpuCompressedTensorsConfig",
+    "CpuMxfp8Config",
+    "CpuNvfp4Config",
+)
+_CLASSES: dict[str, type] | None = None
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -130,6 +151,47 @@ def torch_moe_experts(
     return out.to(x.dtype)
 
 
+# The experts loop above reads the routing on the host (``torch.unique(...).tolist()``), which
+# torch.compile cannot trace: vLLM's default (compiled) mode traces the MoE layer's ``apply`` on
+# the CPU platform (it calls the fused-MoE entry directly there, not through its opaque
+# ``vllm.moe_forward`` op). So ``apply`` calls the loop through this custom op, which Dynamo
+# treats as one opaque node of known output shape.
+@torch.library.custom_op("qconvert::cpu_moe_experts", mutates_args=())
+def cpu_moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    apply_router_weight_on_input: bool,
+    a13_gs: torch.Tensor | None,
+    a2_gs: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """:func:`torch_moe_experts` as a torch custom op. ``a13_gs`` / ``a2_gs`` [E]: per-expert
+    encode-side global scales of NVFP4 W4A4 activations (``None``: activations not quantized)."""
+    q13 = q2 = None
+    if a13_gs is not None and a2_gs is not None:
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            ref_nvfp4_quant_dequant,
+        )
+
+        def q13(e, h):
+            return ref_nvfp4_quant_dequant(h, a13_gs[e : e + 1], group_size)
+
+        def q2(e, a):
+            return ref_nvfp4_quant_dequant(a, a2_gs[e : e + 1], group_size)
+
+    return torch_moe_experts(
+        x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, q13, q2
+    )
+
+
+@cpu_moe_experts.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, a13_gs, a2_gs, group_size):
+    return x.new_empty((x.shape[0], w2.shape[1]))
+
+
 def _check_moe_layer(layer) -> None:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
@@ -161,7 +223,6 @@ def _build_classes():
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
         dequantize_to_dtype,
         get_reciprocal,
-        ref_nvfp4_quant_dequant,
     )
 
     class _PlainTorchExperts:
@@ -202,13 +263,16 @@ def _build_classes():
             ).to(dtype)
 
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            return torch_moe_experts(
+            return cpu_moe_experts(
                 x,
                 layer._qc_w13,
                 layer._qc_w2,
                 topk_weights,
                 topk_ids,
                 layer.apply_router_weight_on_input,
+                None,
+                None,
+                0,
             )
 
     # NB: the class names must contain "ModelOpt": vLLM's RoutedExperts.weight_loader picks the
@@ -274,25 +338,17 @@ def _build_classes():
                 layer._qc_a2_gs = get_reciprocal(a2)
 
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            q13 = q2 = None
-            if not self.use_a16:
-                gs = self.quant_config.group_size
-
-                def q13(e, h):
-                    return ref_nvfp4_quant_dequant(h, layer._qc_a13_gs[e : e + 1], gs)
-
-                def q2(e, a):
-                    return ref_nvfp4_quant_dequant(a, layer._qc_a2_gs[e : e + 1], gs)
-
-            return torch_moe_experts(
+            a4 = not self.use_a16
+            return cpu_moe_experts(
                 x,
                 layer._qc_w13,
                 layer._qc_w2,
                 topk_weights,
                 topk_ids,
                 layer.apply_router_weight_on_input,
-                q13,
-                q2,
+                layer._qc_a13_gs if a4 else None,
+                layer._qc_a2_gs if a4 else None,
+                self.quant_config.group_size,
             )
 
     class TorchNvfp4W4A16Kernel(EmulationNvFp4LinearKernel):
@@ -388,7 +444,37 @@ def _build_classes():
                 method = CpuModelOptNvFp4W4A16LinearMethod(method.spec, method.ctx, method.fmt)
             return method
 
-    return CpuMxfp8Config, CpuNvfp4Config, CpuCompressedTensorsConfig
+    return {
+        name: obj
+        for name, obj in locals().items()
+        if isinstance(obj, type) and obj.__qualname__.startswith("_build_classes.<locals>.")
+    }
+
+
+def _classes() -> dict[str, type]:
+    """The classes of :func:`_build_classes`, built once per process and published as
+    attributes of this module (``__module__``/``__qualname__`` set to match), so that they pickle
+    by name and unpickle in another process (which imports this module and finds them through
+    :func:`__getattr__`)."""
+    global _CLASSES
+    if _CLASSES is None:
+        check_vllm_version()
+        built = _build_classes()
+        # every class defined there must be listed, or it would not unpickle in vLLM's engine core
+        assert sorted(built) == sorted(CLASS_NAMES), f"update CLASS_NAMES to {sorted(built)}"
+        for name, cls in built.items():
+            cls.__module__ = __name__
+            cls.__qualname__ = name
+        globals().update(built)
+        _CLASSES = built
+    return _CLASSES
+
+
+def __getattr__(name: str):
+    # PEP 562: the vLLM subclasses are built (importing vLLM) only when first asked for
+    if name in CLASS_NAMES:
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
@@ -412,11 +498,12 @@ def register() -> None:
 
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
-    mxfp8_cfg, nvfp4_cfg, ct_cfg = _build_classes()
+    classes = _classes()
+    mxfp8_cfg = classes["CpuMxfp8Config"]
     register_quantization_config("mxfp8")(mxfp8_cfg)
     register_quantization_config("modelopt_mxfp8")(mxfp8_cfg)
-    register_quantization_config("modelopt_fp4")(nvfp4_cfg)
-    register_quantization_config("compressed-tensors")(ct_cfg)
+    register_quantization_config("modelopt_fp4")(classes["CpuNvfp4Config"])
+    register_quantization_config("compressed-tensors")(classes["CpuCompressedTensorsConfig"])
     _REGISTERED = True
     init_logger(__name__).info(
         "qconvert CPU emulation plugin active (vLLM %s, pid %d): MXFP8/NVFP4 linear emulation "
