@@ -362,7 +362,7 @@ def _add_subsystem_commands():
     """Commands that live beside their library code (loaders, hub, inspect). Imported after
     ``main`` and ``handle_errors`` exist, since those modules use them."""
     from .hub_cli import inspect, push, verify
-    from .loaders.cli_commands import reload, stage
+    from .client.cli_commands import reload, stage
 
     for cmd in (reload, stage, inspect, verify, push):
         main.add_command(cmd)

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from qconvert.loaders import staging
-from qconvert.loaders.staging import StagingError, open_area, stage_checkpoint
+from qconvert.client import staging
+from qconvert.client.staging import StagingError, open_area, stage_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +152,7 @@ def test_bad_names_refused():
 
 
 def test_cli_stage_list_drop(demo_dense, shm_root):
-    from qconvert.loaders.cli_commands import stage
+    from qconvert.client.cli_commands import stage
 
     r = CliRunner().invoke(stage, [str(demo_dense), "dense"])
     assert r.exit_code == 0, r.output

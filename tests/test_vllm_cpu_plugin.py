@@ -1,7 +1,7 @@
 """qconvert checkpoints in a real vLLM (CPU build) through the qconvert CPU emulation plugin.
 
 All engine work for one architecture runs in ONE vLLM worker process (module-scoped fixture
-calling ``qconvert.loaders.vllm_compare.run_in_vllm``), on qconvert's tiny random Qwen3 /
+calling ``qconvert.engine.vllm_compare.run_in_vllm``), on qconvert's tiny random Qwen3 /
 Qwen3-MoE demo models, with every checkpoint written by qconvert's converter. Engine loads are the
 cost (~10 s each on 2 cores), so each quantized format is loaded once and hot-reloaded: X, then
 X_b -> X -> X_b (X_b: the same conversion of another seed, same layout). With A = X_b, B = X that
@@ -201,8 +201,8 @@ def checkpoints(root: Path, arch: str) -> dict[str, Path]:
 
 
 def _family(tmp_path_factory, arch: str) -> dict:
-    from qconvert.loaders.compat import check_reload_compatible
-    from qconvert.loaders.vllm_compare import run_in_vllm
+    from qconvert.client.compat import check_reload_compatible
+    from qconvert.engine.vllm_compare import run_in_vllm
 
     ck = checkpoints(tmp_path_factory.mktemp(arch), arch)
     dq = [k for k in DEQUANT_REFS if k in RUNS[arch]]
@@ -244,7 +244,7 @@ def family(request, tmp_path_factory):
 
 
 def _cmp(fam, ref, other):
-    from qconvert.loaders.vllm_compare import compare_logprobs
+    from qconvert.engine.vllm_compare import compare_logprobs
 
     return compare_logprobs(fam["stages"][ref]["score"], fam["stages"][other]["score"])
 
@@ -412,7 +412,7 @@ def test_verify_fails_swapped_layers(dense_ck):
 def test_version_pin(monkeypatch):
     import vllm
 
-    from qconvert.loaders import vllm_cpu_plugin as plugin
+    from qconvert.engine import vllm_cpu_plugin as plugin
 
     assert plugin.check_vllm_version("0.32.0") == "0.32.0"
     assert vllm.__version__.split("+")[0] in plugin.SUPPORTED_VLLM_VERSIONS
@@ -432,5 +432,5 @@ def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("qconvert_cpu_emulation") == "qconvert.loaders.vllm_cpu_plugin:register"
+    assert eps.get("qconvert_cpu_emulation") == "qconvert.engine.vllm_cpu_plugin:register"
 

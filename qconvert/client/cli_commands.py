@@ -19,7 +19,7 @@ def _errors(fn):
 
     @functools.wraps(fn)
     def interrupted(*a, **kw):
-        from qconvert.loaders.vllm_client import ReloadInterrupted
+        from qconvert.client.reload import ReloadInterrupted
 
         try:
             return fn(*a, **kw)
@@ -96,7 +96,7 @@ def reload():
 def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
                     reload_timeout, pause, rollback):
     """Reload CKPT into vLLM servers started with VLLM_SERVER_DEV_MODE=1 (vLLM 0.32/0.33)."""
-    from qconvert.loaders.vllm_client import reload_vllm
+    from qconvert.client.vllm_client import reload_vllm
 
     urls, ckpt = _split(targets)
     _report(reload_vllm(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
@@ -114,7 +114,7 @@ def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, k
 def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
                       reload_timeout, pause):
     """Reload CKPT into SGLang servers (0.5.23) through /update_weights_from_disk."""
-    from qconvert.loaders.sglang_client import reload_sglang
+    from qconvert.client.sglang_client import reload_sglang
 
     urls, ckpt = _split(targets)
     _report(reload_sglang(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
@@ -129,7 +129,7 @@ def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name,
 @_errors
 def stage(args, do_list, drop):
     """Copy CKPT into the shared-memory staging area NAME (/dev/shm/qconvert/NAME, mode 0600)."""
-    from qconvert.loaders import staging
+    from qconvert.client import staging
 
     if sum([bool(args), do_list, drop is not None]) != 1:
         raise click.UsageError("use one of: stage CKPT NAME | stage --list | stage --drop NAME")
