@@ -401,7 +401,7 @@ def test_via_shm_cleanup_failure_is_one_line(ckpt, tmp_path, monkeypatch, caplog
     assert res.exit_code == 0
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"could not remove the staging area {tmp_path / 'shm'}/g ([Errno 13] Permission denied: "
-        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage --drop g"]
+        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage drop g"]
 
 
 def test_second_ctrl_c_stops_waiting_and_says_how_to_resume(ckpt, tmp_path):

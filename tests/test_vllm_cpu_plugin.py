@@ -384,7 +384,7 @@ def _verify_cli(src, dst, *extra):
 
 
 def test_verify_engine_vllm_reports_agreement_and_kl(dense_ck):
-    r, rep = _verify_cli(dense_ck["src"], dense_ck["auto"], "--engine", "vllm")
+    r, rep = _verify_cli(dense_ck["src"], dense_ck["auto"], "--check-in-engine", "vllm")
     assert r.exit_code == 0, r.output[-3000:]
     eng = rep["engine"]
     assert eng["available"] and "error" not in eng, eng
@@ -398,7 +398,7 @@ def test_verify_engine_vllm_reports_agreement_and_kl(dense_ck):
 def test_verify_fails_swapped_layers(dense_ck):
     """The swapped-layer checkpoint fails verify's own checks (no engine needed; its engine KL is
     checked in test_swapped_layers_are_far_from_source, in the shared vLLM process; through
-    ``verify --engine vllm`` it measured top-1 0.38, mean KL 0.83)."""
+    ``verify --check-in-engine vllm`` it measured top-1 0.38, mean KL 0.83)."""
     r, rep = _verify_cli(dense_ck["src"], dense_ck["broken"])
     assert r.exit_code == 1, r.output[-3000:]
     assert any(SWAP[0] in f or SWAP[1] in f for f in rep["failures"]), rep["failures"][:5]

@@ -63,7 +63,7 @@ def drop_staged(name: str) -> None:
     try:
         staging.drop_area(name)
     except (OSError, QConvertError) as e:
-        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage --drop %s",
+        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage drop %s",
                     staging.staging_root(), name, clean(e, 200), name)
 
 

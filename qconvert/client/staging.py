@@ -249,7 +249,7 @@ class StagingWriter:
         self.final = self.root / name
         _refuse_link(self.final)
         if self.final.exists() and not replace:
-            raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage --drop {name}`")
+            raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage drop {name}`")
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         _check_root(self.root)
         self.tmp = self.root / f"{_TMP_PREFIX.format(name=name)}{uuid.uuid4().hex[:8]}"
@@ -460,7 +460,7 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
     if os.path.lexists(path):
         _check_private(path, is_dir=True)  # before reading anything in it: a link is refused unread
     if not mpath.is_file():
-        raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage CKPT {name}`")
+        raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage create CKPT {name}`")
     _check_private(mpath)
     try:
         manifest = json.loads(mpath.read_bytes())
@@ -581,7 +581,7 @@ def _leftover_problem(p: Path, name: str) -> str:
     if p.name.startswith(_TMP_PREFIX.format(name=name)) and _being_written(p):
         return f"incomplete: being written by a running `qconvert stage` ({p})"
     return (f"incomplete: {p} was left by an interrupted `qconvert stage`; "
-            f"`qconvert stage --drop {name}` removes it")
+            f"`qconvert stage drop {name}` removes it")
 
 
 def _check_root(r: Path) -> None:

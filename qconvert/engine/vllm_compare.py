@@ -3,7 +3,7 @@
 Public API:
 
 * :func:`compare_in_vllm(src_dir, dst_dir, prompts, max_tokens)` -> ``{"top1_agreement",
-  "mean_kl", "max_abs_logprob_diff", "positions", ...}``: what ``qconvert verify --engine vllm``
+  "mean_kl", "max_abs_logprob_diff", "positions", ...}``: what ``qconvert verify --check-in-engine vllm``
   reports. The source generates greedily; both checkpoints then score the same token sequences
   (prompt + the source's continuation) with vLLM's ``prompt_logprobs``, so every position is
   compared on identical context.
