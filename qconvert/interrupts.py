@@ -1,6 +1,6 @@
 """Ctrl-C while a command stops.
 
-The CLI's guard (``cli_errors``) turns the first Ctrl-C into a KeyboardInterrupt and ignores later
+The CLI's guard (``qconvert.cli.guard``) turns the first Ctrl-C into a KeyboardInterrupt and ignores later
 ones while the command ends its threads (a second KeyboardInterrupt there would leave them running).
 Code whose clean-up may wait on something outside the process, such as a reload waiting for a
 server to resume, marks that wait with :func:`second_interrupt_allowed`, so that a second Ctrl-C

@@ -1060,9 +1060,9 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
 def engine_compare(src: str, dst: str, engine: str, log: Callable[[str], None]) -> dict:
     """Top-1 agreement / mean KL of next-token distributions in a real engine, where available."""
     if engine != "vllm":
-        return {"available": False, "message": f"engine {engine!r} is not supported; use --engine vllm"}
+        return {"available": False, "message": f"engine {engine!r} is not supported; use --check-in-engine vllm"}
     try:
-        from .loaders.vllm_compare import compare_in_vllm
+        from .engine.vllm_compare import compare_in_vllm
     except ImportError as e:
         return {"available": False, "message": f"vLLM comparison is unavailable here ({e.__class__.__name__}: {e})"}
     log("engine: running source and DST in vLLM (this takes a while)")

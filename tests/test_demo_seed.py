@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from qconvert.cli import main
-from qconvert.loaders.compat import check_reload_compatible
+from qconvert.client.compat import check_reload_compatible
 
 
 def _tensors(d):

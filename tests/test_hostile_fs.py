@@ -454,7 +454,7 @@ def test_sentence_transformers_folders_are_copied(demo_dense, tmp_path):
 # ---- 6: a killed stage leaves nothing --list does not show -------------------------------------
 
 def test_a_killed_stage_is_listed_and_dropped(demo_dense, shm_root):
-    from qconvert.loaders import staging
+    from qconvert.client import staging
 
     w = staging.StagingWriter("area", config={"architectures": []})
     leftover = w.tmp
@@ -468,7 +468,7 @@ def test_a_killed_stage_is_listed_and_dropped(demo_dense, shm_root):
 
 
 def test_a_running_stage_is_listed_as_being_written_and_not_dropped(shm_root):
-    from qconvert.loaders import staging
+    from qconvert.client import staging
 
     w = staging.StagingWriter("area", config={"architectures": []})
     try:

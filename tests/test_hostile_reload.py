@@ -239,7 +239,7 @@ ROWS = [
     ("vllm-moe-cpu-no-extension", "vllm",
      {("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
       ("POST", "/collective_rpc"): rpc_by_method({"qconvert_ping": MISSING})}, [], 1,
-     "--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension", False, 1, {"moe": True}),
+     "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension", False, 1, {"moe": True}),
     ("vllm-moe-cpu-rpc-fails-otherwise", "vllm",
      {("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
       ("POST", "/collective_rpc"): rpc_by_method({"qconvert_ping": js(500, {"error": {
@@ -386,7 +386,7 @@ def test_via_shm_removes_area_after_failed_reload(ckpt, tmp_path):
 
 def test_via_shm_cleanup_failure_is_one_line(ckpt, tmp_path, monkeypatch, caplog):
     """(The CLI configures no logging: Python's last-resort handler prints the warning to stderr.)"""
-    from qconvert.loaders import staging
+    from qconvert.client import staging
 
     def refuse(name, root=None):
         raise PermissionError(13, "Permission denied", str(tmp_path / "shm" / name))
@@ -401,7 +401,7 @@ def test_via_shm_cleanup_failure_is_one_line(ckpt, tmp_path, monkeypatch, caplog
     assert res.exit_code == 0
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"could not remove the staging area {tmp_path / 'shm'}/g ([Errno 13] Permission denied: "
-        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage --drop g"]
+        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage drop g"]
 
 
 def test_second_ctrl_c_stops_waiting_and_says_how_to_resume(ckpt, tmp_path):

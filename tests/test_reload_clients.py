@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import HttpClient, ServerError, ServerUnreachable
-from qconvert.loaders.vllm_client import ReloadError, VllmClient, reload_vllm
+from qconvert.client.http import HttpClient, ServerError, ServerUnreachable
+from qconvert.client.vllm_client import ReloadError, VllmClient, reload_vllm
 
 
 class FakeServer:
@@ -311,7 +311,7 @@ def test_vllm_moe_on_cpu_needs_extension(ckpt):
     routes[("POST", "/collective_rpc")] = rpc
     srv = FakeServer(routes)
     try:
-        with pytest.raises(ReloadError, match="--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension"):
+        with pytest.raises(ReloadError, match="--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension"):
             reload_vllm([srv.url], ckpt, retries=0)
         assert "/pause" not in srv.paths()
     finally:
@@ -343,8 +343,25 @@ def test_unreachable_url_with_credentials_is_not_printed():
 
 
 def test_clean_bounds_and_escapes():
-    from qconvert.loaders.http import clean
+    from qconvert.client.http import clean
 
     s = clean("ok\n\x1b[31mFAKE\u202e line Bearer abc.def and http://u:p@h/x" + "y" * 1000, secrets=("abc",))
     assert s.startswith("ok\\n\\x1b[31mFAKE\\u202e line Bearer *** and http://***@h/x")
     assert s.endswith("more characters)") and len(s) < 340 and "\n" not in s
+
+
+def test_extension_flag_names_an_importable_worker_extension():
+    """The class the error messages and the README tell users to pass to vLLM
+    (``--worker-extension-cls``) exists at that path, with the methods the client calls."""
+    import importlib
+
+    from qconvert.client.vllm_client import EXTENSION_FLAG
+    from qconvert.engine import PRESHUFFLED_RPC, WORKER_EXTENSION
+
+    assert EXTENSION_FLAG == "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension"
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    for method in ("qconvert_ping", "qconvert_clear_failed_reload", "qconvert_repack_cpu_moe", PRESHUFFLED_RPC):
+        assert callable(getattr(cls, method)), method
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert EXTENSION_FLAG in " ".join(readme.split())

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.errors import QConvertError
-from qconvert.loaders import staging
-from qconvert.loaders.refit import stage_refit
+from qconvert.client import staging
+from qconvert.trainer.refit import stage_refit
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:

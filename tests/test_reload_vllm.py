@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from qconvert.convert.demo import build_demo_model  # noqa: E402
-from qconvert.loaders.vllm_client import EXTENSION_FLAG, ReloadError, VllmClient, reload_vllm  # noqa: E402
+from qconvert.client.vllm_client import EXTENSION_FLAG, ReloadError, VllmClient, reload_vllm  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -259,7 +259,7 @@ def test_refit_live_weights_equal_converted_reload(served):
 
     from qconvert.convert.pipeline import ConvertOptions
     from qconvert.convert.plan import PlanOptions
-    from qconvert.loaders.refit import refit
+    from qconvert.trainer.refit import refit
 
     srv = served["srv"]
     os.environ["QCONVERT_SHM_ROOT"] = str(served["root"] / "shm")

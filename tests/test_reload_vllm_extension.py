@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from test_reload_vllm import Server, _make_pair  # noqa: E402
 
-from qconvert.loaders.vllm_client import EXTENSION_FLAG, ReloadError, VllmClient, reload_vllm  # noqa: E402
+from qconvert.client.vllm_client import EXTENSION_FLAG, ReloadError, VllmClient, reload_vllm  # noqa: E402
 
 
 def test_moe_on_cpu_without_extension_names_the_flag(tmp_path, monkeypatch):

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.sglang_client import SglangClient, reload_sglang
-from qconvert.loaders.vllm_client import ReloadError
+from qconvert.client.sglang_client import SglangClient, reload_sglang
+from qconvert.client.vllm_client import ReloadError
 from tests.test_reload_clients import FakeServer
 
 STRUCTS = ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightFromDiskReqInput",

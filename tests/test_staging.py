@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from qconvert.loaders import staging
-from qconvert.loaders.staging import StagingError, open_area, stage_checkpoint
+from qconvert.client import staging
+from qconvert.client.staging import StagingError, open_area, stage_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +152,7 @@ def test_bad_names_refused():
 
 
 def test_cli_stage_list_drop(demo_dense, shm_root):
-    from qconvert.loaders.cli_commands import stage
+    from qconvert.cli.reload import stage
 
     r = CliRunner().invoke(stage, [str(demo_dense), "dense"])
     assert r.exit_code == 0, r.output
@@ -170,3 +170,18 @@ def test_staged_files_open_with_safetensors_mmap(demo_dense):
     f = sorted(area.path.glob("g*.safetensors"))[0]
     with safe_open(f, framework="pt") as h:
         assert list(h.keys())
+
+
+def test_cli_stage_subcommands(demo_dense, shm_root):
+    """``stage create|list|drop``, subcommands as ``reload`` has (the flag forms above still work)."""
+    from qconvert.cli import main
+
+    r = CliRunner().invoke(main, ["stage", "create", str(demo_dense), "dense"])
+    assert r.exit_code == 0, r.output
+    assert "256-byte aligned" in r.output
+    r = CliRunner().invoke(main, ["stage", "list"])
+    assert r.exit_code == 0 and r.output.startswith("dense\t")
+    r = CliRunner().invoke(main, ["stage", "drop", "dense"])
+    assert r.exit_code == 0 and r.output == "dropped dense\n" and not (shm_root / "dense").exists()
+    r = CliRunner().invoke(main, ["stage", "drop", "dense"])
+    assert r.exit_code == 1 and "no staging area 'dense'" in r.output and "`qconvert stage list`" in r.output

@@ -281,3 +281,27 @@ def test_verify_engine_kl_bound(demo, monkeypatch):
     assert any("mean next-token KL 0.3000" in f and "exceeds 0.1" in f for f in r.failures), r.failures
     r = verify(str(demo["bf16"]), str(demo["auto"]), engine="vllm", max_kl=0.5)
     assert r.ok and r.checks["engine"] == "ok"
+
+
+@pytest.mark.parametrize("flag,note", [("--check-in-engine", False), ("--engine", True)])
+def test_check_in_engine_and_its_old_spelling(flag, note, monkeypatch, tmp_path):
+    """``verify --check-in-engine vllm`` asks the library to run the engine; the old spelling
+    ``--engine vllm`` does the same for one more release, with a one-line deprecation note."""
+    import types
+
+    import qconvert.verify as V
+
+    seen = {}
+
+    def fake(src, dst, **kw):
+        seen.update(kw)
+        return types.SimpleNamespace(ok=True, to_dict=lambda: {"ok": True})
+
+    monkeypatch.setattr(V, "verify", fake)
+    res = CliRunner().invoke(main, ["verify", str(tmp_path / "a"), str(tmp_path / "b"), "--json", flag, "vllm"])
+    assert res.exit_code == 0, res.output
+    assert seen["engine"] == "vllm"
+    assert json.loads(res.stdout) == {"ok": True}
+    notes = [ln for ln in res.stderr.splitlines() if "deprecated" in ln]
+    assert notes == (["note: `qconvert verify --engine` is deprecated and goes in the next release; "
+                      "use --check-in-engine vllm"] if note else [])

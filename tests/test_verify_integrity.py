@@ -159,7 +159,7 @@ def test_bias_missing_or_extra_in_dst_fails(biased, tmp_path):
 def test_engine_nan_kl_fails(demo_dense, tmp_path, monkeypatch):
     """The outside report: `mean KL nan` and PASSED. A figure that is not a number fails."""
     import qconvert.verify as V
-    from qconvert.loaders.vllm_compare import compare_logprobs
+    from qconvert.engine.vllm_compare import compare_logprobs
 
     dst = run_convert(demo_dense, tmp_path / "q", "mxfp8", "auto")
     nan = float("nan")
@@ -352,7 +352,7 @@ def test_vllm_worker_error_reaches_the_report(demo_dense, tmp_path, monkeypatch)
 
 
 def test_worker_error_line_from_a_vllm_traceback():
-    from qconvert.loaders.vllm_compare import worker_error
+    from qconvert.engine.vllm_compare import worker_error
 
     err = ("INFO 12-04 loading\n[vllm_compare] loading /m/dst\nTraceback (most recent call last):\n"
            "  File \"x.py\", line 3, in <module>\n    LLM(**kw)\n"

@@ -1,7 +1,7 @@
 """qconvert checkpoints in a real vLLM (CPU build) through the qconvert CPU emulation plugin.
 
 All engine work for one architecture runs in ONE vLLM worker process (module-scoped fixture
-calling ``qconvert.loaders.vllm_compare.run_in_vllm``), on qconvert's tiny random Qwen3 /
+calling ``qconvert.engine.vllm_compare.run_in_vllm``), on qconvert's tiny random Qwen3 /
 Qwen3-MoE demo models, with every checkpoint written by qconvert's converter. Engine loads are the
 cost (~10 s each on 2 cores), so each quantized format is loaded once and hot-reloaded: X, then
 X_b -> X -> X_b (X_b: the same conversion of another seed, same layout). With A = X_b, B = X that
@@ -201,8 +201,8 @@ def checkpoints(root: Path, arch: str) -> dict[str, Path]:
 
 
 def _family(tmp_path_factory, arch: str) -> dict:
-    from qconvert.loaders.compat import check_reload_compatible
-    from qconvert.loaders.vllm_compare import run_in_vllm
+    from qconvert.client.compat import check_reload_compatible
+    from qconvert.engine.vllm_compare import run_in_vllm
 
     ck = checkpoints(tmp_path_factory.mktemp(arch), arch)
     dq = [k for k in DEQUANT_REFS if k in RUNS[arch]]
@@ -244,7 +244,7 @@ def family(request, tmp_path_factory):
 
 
 def _cmp(fam, ref, other):
-    from qconvert.loaders.vllm_compare import compare_logprobs
+    from qconvert.engine.vllm_compare import compare_logprobs
 
     return compare_logprobs(fam["stages"][ref]["score"], fam["stages"][other]["score"])
 
@@ -384,7 +384,7 @@ def _verify_cli(src, dst, *extra):
 
 
 def test_verify_engine_vllm_reports_agreement_and_kl(dense_ck):
-    r, rep = _verify_cli(dense_ck["src"], dense_ck["auto"], "--engine", "vllm")
+    r, rep = _verify_cli(dense_ck["src"], dense_ck["auto"], "--check-in-engine", "vllm")
     assert r.exit_code == 0, r.output[-3000:]
     eng = rep["engine"]
     assert eng["available"] and "error" not in eng, eng
@@ -398,7 +398,7 @@ def test_verify_engine_vllm_reports_agreement_and_kl(dense_ck):
 def test_verify_fails_swapped_layers(dense_ck):
     """The swapped-layer checkpoint fails verify's own checks (no engine needed; its engine KL is
     checked in test_swapped_layers_are_far_from_source, in the shared vLLM process; through
-    ``verify --engine vllm`` it measured top-1 0.38, mean KL 0.83)."""
+    ``verify --check-in-engine vllm`` it measured top-1 0.38, mean KL 0.83)."""
     r, rep = _verify_cli(dense_ck["src"], dense_ck["broken"])
     assert r.exit_code == 1, r.output[-3000:]
     assert any(SWAP[0] in f or SWAP[1] in f for f in rep["failures"]), rep["failures"][:5]
@@ -412,7 +412,7 @@ def test_verify_fails_swapped_layers(dense_ck):
 def test_version_pin(monkeypatch):
     import vllm
 
-    from qconvert.loaders import vllm_cpu_plugin as plugin
+    from qconvert.engine import vllm_cpu_plugin as plugin
 
     assert plugin.check_vllm_version("0.32.0") == "0.32.0"
     assert vllm.__version__.split("+")[0] in plugin.SUPPORTED_VLLM_VERSIONS
@@ -436,7 +436,7 @@ def test_plugin_classes_unpickle_in_another_process():
     import subprocess
     import sys
 
-    from qconvert.loaders import vllm_cpu_plugin as plugin
+    from qconvert.engine import vllm_cpu_plugin as plugin
 
     blobs = {name: pickle.dumps(getattr(plugin, name)).hex() for name in plugin.CLASS_NAMES}
     assert "CpuMxfp8Config" in blobs and "CpuNvfp4Config" in blobs
@@ -444,7 +444,7 @@ def test_plugin_classes_unpickle_in_another_process():
         "import json, pickle, sys\n"
         "blobs = json.loads(sys.stdin.read())\n"
         "out = {n: pickle.loads(bytes.fromhex(b)) for n, b in blobs.items()}\n"
-        "from qconvert.loaders import vllm_cpu_plugin as p\n"
+        "from qconvert.engine import vllm_cpu_plugin as p\n"
         "print(json.dumps({n: [c is getattr(p, n), c.__module__, c.__qualname__] for n, c in out.items()}))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], input=json.dumps(blobs), capture_output=True,
@@ -458,7 +458,7 @@ def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("qconvert_cpu_emulation") == "qconvert.loaders.vllm_cpu_plugin:register"
+    assert eps.get("qconvert_cpu_emulation") == "qconvert.engine.vllm_cpu_plugin:register"
 
 
 
@@ -522,7 +522,7 @@ def test_default_settings_llm_loads_generates_and_reloads(tmp_path):
     import sys
 
     from qconvert.convert.demo import build_demo_model
-    from qconvert.loaders.vllm_compare import compare_logprobs, run_in_vllm
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
 
     src = build_demo_model(tmp_path / "bf16", arch="qwen3-moe", seed=0)
     src_b = build_demo_model(tmp_path / "bf16_b", arch="qwen3-moe", seed=1)

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from qconvert.cli import main
 from qconvert.convert import layout_jobs
 from qconvert.convert.layouts import trtllm
-from qconvert.loaders import vllm_layout_loader as L
+from qconvert.engine import vllm_layout_loader as L
 
 FI = trtllm.FLASHINFER_VERSION
 
@@ -373,7 +373,7 @@ def test_pipeline_stage_without_the_layer_is_skipped(ckpts):
 
 
 def test_worker_extension_uses_layerwise_reload_then_copies(ckpts, monkeypatch):
-    from qconvert.loaders.vllm_client import WorkerExtension
+    from qconvert.engine.vllm_worker import WorkerExtension
 
     ckpt = ckpts["mxfp8"]
     model = fake_model_for(ckpt)
@@ -417,16 +417,16 @@ class FakeClient:
 
 
 def test_client_routes_by_manifest(ckpts, demo_moe):
-    from qconvert.loaders.vllm_client import ReloadError
+    from qconvert.client.vllm_client import ReloadError, preflight, reload_checkpoint
 
     c = FakeClient()
-    L.reload_checkpoint(c, ckpts["mxfp8"])
-    L.reload_checkpoint(c, demo_moe)
+    reload_checkpoint(c, ckpts["mxfp8"])
+    reload_checkpoint(c, demo_moe)
     assert c.calls == [(L.RPC_METHOD, {"path": str(ckpts["mxfp8"])}),
                        ("reload_weights", {"weights_path": str(demo_moe)})]
-    L.preflight(FakeClient(ext=False), demo_moe)  # plain checkpoint: no extension needed
+    preflight(FakeClient(ext=False), demo_moe)  # plain checkpoint: no extension needed
     with pytest.raises(ReloadError, match="--worker-extension-cls"):
-        L.preflight(FakeClient(ext=False), ckpts["mxfp8"])
+        preflight(FakeClient(ext=False), ckpts["mxfp8"])
 
 
 def test_guard_names_the_layout_tensor():

@@ -25,7 +25,7 @@ KEYS = ["auto", "mo_last1", "nv_a16", "ct_a16"]  # MXFP8 auto / ModelOpt, NVFP4 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     from qconvert.convert.demo import build_demo_model
-    from qconvert.loaders.vllm_compare import run_in_vllm
+    from qconvert.engine.vllm_compare import run_in_vllm
 
     root = tmp_path_factory.mktemp("tied")
     src = build_demo_model(root / "bf16", arch="llama-tied", seed=0)
@@ -40,7 +40,7 @@ def tied(tmp_path_factory):
 
 @pytest.mark.parametrize("key", KEYS)
 def test_tied_head_equals_bf16_of_dequantized_weights(tied, key):
-    from qconvert.loaders.vllm_compare import compare_logprobs
+    from qconvert.engine.vllm_compare import compare_logprobs
 
     q, ref = tied["q"][key], tied["dq"][key]
     st, st_ref = q["stages"][0], ref["stages"][0]

@@ -175,3 +175,31 @@ def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_
         "`qconvert demo` for tests and examples. Its outputs are meaningless.\n")
     write_sharded(dst, demo_tensors(config, seed), n_shards)
     return dst
+
+
+def convert_demo(root: str | Path, arch: str = "qwen3-moe", scheme: str = "mxfp8", last_n_bf16: int = 1,
+                 force: bool = False, log=None, seed: int = 0):
+    """What ``qconvert demo`` does: build the tiny model in ``root/bf16`` (replaced with ``force``)
+    and convert it to ``root/<scheme>`` (``root/<scheme>-last<N>-bf16`` with ``last_n_bf16``),
+    NVFP4 as W4A16. ``seed`` picks the random weights (the same shapes and options for every
+    seed). Returns the :class:`~qconvert.convert.pipeline.ConvertResult`."""
+    from .pipeline import ConvertOptions, convert
+    from .plan import PlanOptions
+
+    log = log or (lambda s: None)
+    root = Path(root)
+    src = root / "bf16"
+    out = root / f"{scheme}-last{last_n_bf16}-bf16" if last_n_bf16 else root / scheme
+    if src.exists() and not force:
+        raise OutputError(f"{src}: already exists; choose another DST or pass --force")
+    if src.is_symlink():
+        raise OutputError(f"{src}: is a symbolic link; demo writes its model there and does not follow links: "
+                          "choose another DST")
+    if src.exists():
+        import shutil
+        shutil.rmtree(src)
+    build_demo_model(src, arch=arch, seed=seed)
+    log(f"built demo model {arch} (seed {seed}) at {src}")
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16), force=force,
+                          **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
+    return convert(str(src), str(out), scheme, opts)

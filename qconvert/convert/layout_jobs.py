@@ -6,7 +6,7 @@ parameters out (docs/layouts.md), per (TP, EP) rank. Non-expert tensors keep the
 Tensor names live under a namespace no engine's stock loader maps onto its parameters, so
 kernel-layout bytes never land in checkpoint-layout parameters. Stock vLLM 0.32 skips such names
 silently (leaving the experts uninitialized); qconvert's vLLM plugin guard
-(loaders/vllm_layout_loader.py, registered as a vllm.general_plugins entry point) turns that into
+(engine/vllm_layout_loader.py, registered as a vllm.general_plugins entry point) turns that into
 an error naming the tensor:
 
     {prefix}.trtllm.{param}                   (tp = ep = 1)

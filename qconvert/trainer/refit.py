@@ -1,7 +1,7 @@
 """Trainer-side refit: quantize live BF16 weights exactly like the converter, stage them in shared
 memory layer by layer, and reload them into running servers.
 
-    from qconvert.loaders.refit import refit
+    from qconvert.trainer.refit import refit
     refit(model.named_parameters(), reference="/ckpt/Qwen3-30B-A3B",          # the BF16 source
           urls=["http://gen-0:8000", "http://gen-1:8000"], engine="vllm",
           options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=8)),
@@ -34,7 +34,7 @@ from typing import Iterable
 import torch
 
 from qconvert.errors import QConvertError
-from qconvert.loaders import staging
+from qconvert.client import staging
 
 
 @dataclass
@@ -63,9 +63,9 @@ def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, t
     from qconvert.convert.safetensors_io import read_header
 
     root = Path(reference)
-    config = staging._read_config(root)  # guarded, as every checkpoint read
+    config = staging.read_config(root)  # guarded, as every checkpoint read
     inv = {}
-    for shard in staging._shards(root):
+    for shard in staging.shard_files(root):
         for e in read_header(shard).entries.values():
             inv[e.name] = (e.dtype, tuple(e.shape))
     return config, inv
@@ -175,11 +175,11 @@ def refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str |
     res = stage_refit(named_tensors, reference=reference, stage_name=stage_name, options=options, root=root)
     kw = dict(weight_version=weight_version, api_key=api_key, verify=verify)
     if engine == "vllm":
-        from qconvert.loaders.vllm_client import reload_vllm
+        from qconvert.client.vllm_client import reload_vllm
 
         res.reload = reload_vllm(urls, res.area.path, pause=pause or "wait", **kw)
     elif engine == "sglang":
-        from qconvert.loaders.sglang_client import reload_sglang
+        from qconvert.client.sglang_client import reload_sglang
 
         res.reload = reload_sglang(urls, res.area.path, pause=pause or "retract", **kw)
     else:

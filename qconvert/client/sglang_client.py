@@ -37,10 +37,9 @@ import uuid
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.loaders.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
-from qconvert.loaders.staging import read_layout
-from qconvert.loaders.vllm_client import (ReloadError, ReloadResult, _drop_staged, _fan_out, _resolve_source,
-                                          _resume_after)
+from qconvert.client.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
+from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, resolve_source, resume_after
+from qconvert.client.staging import read_layout
 
 log = logging.getLogger("qconvert.reload")
 
@@ -163,7 +162,7 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
         raise
     finally:
         if maybe_paused:
-            _resume_after(client, failure)
+            resume_after(client, failure)
     res.ok = True
     res.weight_version = version
     res.seconds = time.perf_counter() - t0
@@ -176,21 +175,21 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
                   retries: int = 3, keep_staged: bool = False, client_factory=None) -> list[ReloadResult]:
     """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently).
     ``via``, ``keep_staged``, ``timeout`` and ``reload_timeout`` as for :func:`reload_vllm`."""
-    from qconvert.loaders.staging import open_area, stage_checkpoint
+    from qconvert.client.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for SGLang; use one of {', '.join(PAUSE_MODES)}")
     make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout,
                                                      reload_timeout=reload_timeout, retries=retries))
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
-    path, _, staged = _resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
     try:
         if read_layout(Path(path)) is not None:
             raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
                                 "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
         version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
         flush = pause != "in_place"
-        results, errors = _fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
+        results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
         if errors:
             raise ReloadError("; ".join(errors))
         if verify:
@@ -208,5 +207,5 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
                 r.verify = {"greedy_text": next(iter(texts.values()), None)}
     finally:
         if staged and not keep_staged:
-            _drop_staged(staged)
+            drop_staged(staged)
     return results

@@ -1,4 +1,5 @@
-"""The ``qconvert`` command: a thin click layer over the library."""
+"""Convert commands: ``qconvert mxfp8 | nvfp4 | bf16 | unshuffle | demo``, and the plan and
+summary they print."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .cli_errors import GuardedGroup, handle_errors
-from .errors import OutputError, QConvertError
+from ..errors import OutputError
+from .guard import handle_errors
+from .options import DEMO, DST, FORCE, LAYOUT, MXFP8_DIALECT, NEEDS, NVFP4, PLAN, QUANT_ONLY, SRC, given
 
 
 def _fmt_bytes(n: float) -> str:
@@ -18,61 +19,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
-
-
-def plan_options(fn):
-    """Options shared by every conversion command."""
-    opts = [
-        click.argument("src"),
-        click.argument("dst", required=False),
-        click.option("--last-n-bf16", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the last N decoder layers in BF16."),
-        click.option("--first-n-bf16", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the first M decoder layers in BF16."),
-        click.option("--keep-bf16", multiple=True, metavar="PATTERN", help="Keep modules matching this glob in BF16 (repeatable)."),
-        click.option("--quantize-lm-head", is_flag=True, help="Quantize lm_head too (engines usually keep it BF16)."),
-        click.option("--dry-run", is_flag=True, help="Print the per-layer plan and projected size; write nothing."),
-        click.option("--force", is_flag=True, help="Replace DST if it exists (only after the new output is complete)."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-                     help="Where to quantize. cpu: one-pass C kernels built at first use with $CC/cc "
-                          "(QCONVERT_CPU_KERNELS=0: torch code); cuda: Triton kernels "
-                          "(QCONVERT_CUDA_QUANTIZER=eager|compile: torch code). Same bytes either way."),
-        click.option("--allow-non-finite", is_flag=True, help="Convert weights holding NaN/Inf (recorded in the manifest)."),
-        click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal)."),
-        click.option("--allow-pickle", is_flag=True, help="Read a .bin/.pt checkpoint with torch.load(weights_only=True) "
-                     "(tensors only; no code runs), via a safetensors copy beside DST."),
-        click.option("--push-to-hub", default=None, metavar="REPO", help="After converting, verify DST and push it to this Hub repo."),
-        click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
-        click.option("--revision", default=None, help="With --push-to-hub: branch to push to."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted run of the same command from its last "
-                     "complete output shard (verified by sha256); the result is byte-identical to an uninterrupted run."),
-        click.option("--no-source-checksums", is_flag=True, help="Do not sha256 the source shards (the manifest then "
-                     "records none, and verify cannot tell whether DST came from SRC); saves a core-second per 1.5-2 GB "
-                     "read, for loops that convert a fresh checkpoint every step. Output shards are still hashed (see --no-checksums); "
-                     "Hub-cache sources cost nothing either way (the digest is the cached file's name)."),
-        click.option("--no-checksums", is_flag=True, help="Hash nothing: neither source nor output shards (implies "
-                     "--no-source-checksums). verify then cannot detect a shard changed after conversion, and "
-                     "--resume keeps finished shards by size. Saves a core-second per 1.5-2 GB of output: for "
-                     "loops that write a fresh checkpoint every step and load it at once."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def layout_options(fn):
-    """Kernel-ready MoE expert layouts (issue: pre-shuffled checkpoints)."""
-    opts = [
-        click.option("--layout", type=click.Choice(["flashinfer-trtllm"]), default=None,
-                     help="Write MoE experts pre-shuffled for the FlashInfer TRT-LLM MoE kernels."),
-        click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
-                     help="With --layout: engine whose post-processing the layout reproduces (padding, names, shapes)."),
-        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="With --layout: tensor-parallel size; write per-rank tensors."),
-        click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="With --layout: expert-parallel size; write per-rank tensors."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
 
 
 _EXPERT_ROW = re.compile(r"^(?P<pre>.*\.layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>\w+)$")
@@ -195,36 +141,22 @@ def print_summary(result, dry_run: bool):
         click.echo(f"  written to        : {result.dst}")
 
 
-#: options that only mean something with another one; refused without it instead of ignored
-_NEEDS = {"tp": "--layout", "ep": "--layout", "engine": "--layout", "private": "--push-to-hub",
-          "revision": "--push-to-hub"}
-#: options of the plan that choose what is quantized: meaningless for `qconvert bf16`
-_QUANT_ONLY = ("last_n_bf16", "first_n_bf16", "keep_bf16", "quantize_lm_head")
-
-
-def _given(ctx: click.Context, name: str) -> bool:
-    """True when the user passed option ``name`` (on the command line or from the environment)."""
-    src = ctx.get_parameter_source(name)
-    return src is not None and src not in (click.core.ParameterSource.DEFAULT,
-                                           click.core.ParameterSource.DEFAULT_MAP)
-
-
 def _refuse_ignored_options(scheme: str, layout: str | None):
     """An option that would have no effect is refused with one line, not silently ignored."""
     ctx = click.get_current_context(silent=True)
-    if ctx is None or ctx.command.name != scheme:  # called from `qconvert demo`: fixed options
+    if ctx is None or ctx.command.name != scheme:
         return
     flag = lambda n: "--" + n.replace("_", "-")  # noqa: E731
-    for name, needs in _NEEDS.items():
+    for name, needs in NEEDS.items():
         if needs == "--layout" and layout:
             continue
         if needs == "--push-to-hub" and ctx.params.get("push_to_hub"):
             continue
-        if name in ctx.params and _given(ctx, name):
+        if name in ctx.params and given(ctx, name):
             raise click.UsageError(f"{flag(name)} has no effect without {needs}; pass {needs} or drop {flag(name)}")
     if scheme == "bf16":
-        for name in _QUANT_ONLY:
-            if name in ctx.params and _given(ctx, name):
+        for name in QUANT_ONLY:
+            if name in ctx.params and given(ctx, name):
                 raise click.UsageError(f"{flag(name)} chooses what is quantized, and qconvert bf16 quantizes "
                                        f"nothing; drop it, or use qconvert mxfp8/nvfp4")
 
@@ -237,16 +169,17 @@ def _refuse_existing(dst, force: bool):
         raise OutputError(f"{p.absolute()}: already exists; choose another DST or pass --force to replace it")
 
 
-def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
+def _run_convert(scheme, *, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
                  device, allow_non_finite, progress, dialect=None, push_to_hub=None, private=False, revision=None,
                  **extra):
+    """One convert command: the CLI's checks (before torch loads), the library's ``convert``, the report."""
     if dst is None and not dry_run:
         raise click.UsageError("DST is required unless --dry-run is given")
     _refuse_ignored_options(scheme, extra.get("layout"))
     if not dry_run:
         _refuse_existing(dst, force)
-    from .convert.pipeline import ConvertOptions, convert  # imports torch
-    from .convert.plan import PlanOptions
+    from ..convert.pipeline import ConvertOptions, convert  # imports torch
+    from ..convert.plan import PlanOptions
 
     popts = PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16, first_n_bf16=first_n_bf16,
                         keep_bf16=tuple(keep_bf16), quantize_lm_head=quantize_lm_head,
@@ -261,41 +194,25 @@ def _run_convert(scheme, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantiz
         print_plan(result)
     print_summary(result, dry_run)
     if push_to_hub and not dry_run:
-        from .hub_cli import push_after_convert
+        from .hub import push_after_convert
         push_after_convert(src, result.dst, push_to_hub, private, revision, progress)
     return result
 
 
-@click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="qconvert")
-def main():
-    """Convert BF16 Hugging Face checkpoints to MXFP8 / NVFP4 for vLLM and SGLang, and hot-reload them."""
-
-
-@main.command()
-@plan_options
-@layout_options
-@click.option("--dialect", type=click.Choice(["auto", "sglang", "modelopt"]), default="auto", show_default=True,
-              help="auto: loads in vLLM and SGLang; sglang: miles-style weight_scale_inv; modelopt: ModelOpt MXFP8.")
+@click.command()
+@PLAN
+@LAYOUT
+@MXFP8_DIALECT
 @handle_errors
 def mxfp8(**kw):
     """Convert SRC (directory or Hub repo id) to MXFP8 at DST."""
     _run_convert("mxfp8", **kw)
 
 
-@main.command()
-@plan_options
-@layout_options
-@click.option("--dialect", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt", show_default=True)
-@click.option("--recipe", type=click.Choice(["te", "modelopt"]), default="te", show_default=True,
-              help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's.")
-@click.option("--weight-only", "input_mode", flag_value="weight-only",
-              help="W4A16: no activation scales; engines run weight-only NVFP4 (the default).")
-@click.option("--input-scale", "input_scale", type=click.Choice(["unit"]),
-              help="unit: W4A4 with input scale 1.0 (for engines in per-token activation mode).")
-@click.option("--input-scales-from", type=click.Path(), default=None, metavar="CKPT",
-              help="W4A4 with calibrated input scales copied from an NVFP4 checkpoint of the same model.")
-@click.option("--experts-only", is_flag=True, help="Quantize only MoE experts; attention and dense layers stay BF16.")
+@click.command()
+@PLAN
+@LAYOUT
+@NVFP4
 @handle_errors
 def nvfp4(input_mode, input_scale, input_scales_from, **kw):
     """Convert SRC (directory or Hub repo id) to NVFP4 at DST."""
@@ -306,9 +223,9 @@ def nvfp4(input_mode, input_scale, input_scales_from, **kw):
     return _run_convert("nvfp4", input_mode=mode, input_scales_from=input_scales_from, **kw)
 
 
-@main.command()
-@plan_options
-@layout_options
+@click.command()
+@PLAN
+@LAYOUT
 @handle_errors
 def bf16(**kw):
     """Copy SRC to DST in BF16, with MoE experts pre-shuffled (use with --layout flashinfer-trtllm)."""
@@ -317,61 +234,33 @@ def bf16(**kw):
     _run_convert("bf16", **kw)
 
 
-@main.command()
-@click.argument("src")
-@click.argument("dst")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.command()
+@SRC
+@DST
+@FORCE
 @handle_errors
 def unshuffle(src, dst, force):
     """Invert a pre-shuffled (--layout) checkpoint SRC back to the plain checkpoint at DST, bit-exact."""
     _refuse_existing(dst, force)
-    from .convert.unshuffle import unshuffle_checkpoint  # imports torch
+    from ..convert.unshuffle import unshuffle_checkpoint  # imports torch
 
     res = unshuffle_checkpoint(src, dst, force=force)
     click.echo(f"unshuffled {res['layers']} MoE layers ({res['tensors']} tensors) into {dst}")
 
 
-@main.command()
-@click.argument("dst")
-@click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3", "llama-tied"]), default="qwen3-moe", show_default=True)
-@click.option("--scheme", type=click.Choice(["mxfp8", "nvfp4"]), default="mxfp8", show_default=True)
-@click.option("--last-n-bf16", type=int, default=1, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the random weights: another seed gives a checkpoint of the same shapes and "
-                   "options (one to hot-reload into a server started on the first).")
-@click.option("--force", is_flag=True)
+@click.command()
+@DST
+@DEMO
+@FORCE
 @handle_errors
 def demo(dst, arch, scheme, last_n_bf16, seed, force):
     """Build the built-in tiny model (offline) in DST/bf16 and convert it to DST/<scheme>."""
-    root = Path(dst)
-    src = root / "bf16"
-    out = root / f"{scheme}-last{last_n_bf16}-bf16" if last_n_bf16 else root / scheme
-    if src.exists() and not force:
-        raise QConvertError(f"{src}: already exists; choose another DST or pass --force")
-    if src.is_symlink():
-        raise QConvertError(f"{src}: is a symbolic link; demo writes its model there and does not follow links: "
-                            "choose another DST")
-    from .convert.demo import build_demo_model  # imports torch
-    if src.exists():
-        import shutil
-        shutil.rmtree(src)
-    build_demo_model(src, arch=arch, seed=seed)
-    click.echo(f"built demo model {arch} (seed {seed}) at {src}")
-    _run_convert(scheme, str(src), str(out), last_n_bf16, 0, (), False, False, force, "cpu", False, None,
-                 **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
+    _refuse_existing(Path(dst) / "bf16", force)
+    from ..convert.demo import convert_demo  # imports torch
+
+    result = convert_demo(dst, arch=arch, scheme=scheme, last_n_bf16=last_n_bf16, force=force, log=click.echo,
+                          seed=seed)
+    print_summary(result, dry_run=False)
 
 
-def _add_subsystem_commands():
-    """Commands that live beside their library code (loaders, hub, inspect). Imported after
-    ``main`` and ``handle_errors`` exist, since those modules use them."""
-    from .hub_cli import inspect, push, verify
-    from .loaders.cli_commands import reload, stage
-
-    for cmd in (reload, stage, inspect, verify, push):
-        main.add_command(cmd)
-
-
-_add_subsystem_commands()
-
-if __name__ == "__main__":
-    main()
+COMMANDS = (mxfp8, nvfp4, bf16, unshuffle, demo)

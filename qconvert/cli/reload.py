@@ -1,4 +1,4 @@
-"""``qconvert reload`` and ``qconvert stage`` (added to the main CLI by ``qconvert.cli``)."""
+"""CLI commands ``qconvert reload vllm|sglang`` and ``qconvert stage create|list|drop``."""
 
 from __future__ import annotations
 
@@ -7,19 +7,15 @@ import sys
 
 import click
 
-from qconvert.errors import QConvertError
-
-#: deadlines when --timeout is not given: control requests / the pause and the weight load
-CONTROL_TIMEOUT = 30.0
-RELOAD_TIMEOUT = 3600.0
+from ..errors import QConvertError
+from .guard import handle_errors
+from .options import CONTROL_TIMEOUT, RELOAD, RELOAD_TIMEOUT
 
 
 def _errors(fn):
-    from qconvert.cli_errors import handle_errors
-
     @functools.wraps(fn)
     def interrupted(*a, **kw):
-        from qconvert.loaders.vllm_client import ReloadInterrupted
+        from qconvert.client.reload import ReloadInterrupted
 
         try:
             return fn(*a, **kw)
@@ -38,32 +34,6 @@ def _timeouts(timeout: float | None, reload_timeout: float | None) -> dict:
     control = CONTROL_TIMEOUT if timeout is None else timeout
     long = reload_timeout if reload_timeout is not None else (RELOAD_TIMEOUT if timeout is None else timeout)
     return {"timeout": control, "reload_timeout": long}
-
-
-def _common(fn):
-    opts = [
-        click.argument("targets", nargs=-1, required=True, metavar="URL [URL ...] CKPT"),
-        click.option("--via", type=click.Choice(["disk", "shm"]), default="disk", show_default=True,
-                     help="disk: servers read CKPT; shm: stage CKPT in /dev/shm/qconvert first, servers read RAM."),
-        click.option("--weight-version", default=None, help="Weight version label set on the servers."),
-        click.option("--api-key", envvar="QCONVERT_API_KEY", default=None,
-                     help="Sent as 'Authorization: Bearer KEY' (vLLM --api-key, SGLang --api-key/--admin-api-key)."),
-        click.option("--verify", is_flag=True, help="Check the servers' weights and a greedy prompt after the reload."),
-        click.option("--stage-name", default=None, help="Staging area name for --via shm (default: from CKPT)."),
-        click.option("--keep-staged", is_flag=True,
-                     help="With --via shm: keep the staging area after the reload (default: removed)."),
-        click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
-                     help="Retries (exponential backoff) on connection errors and 502/503/504, within --timeout."),
-        click.option("--timeout", type=float, default=None, metavar="SECONDS",
-                     help=f"Deadline of every request to a server, retries included [default: "
-                          f"{CONTROL_TIMEOUT:g} s; {RELOAD_TIMEOUT:g} s for the pause and the weight load]."),
-        click.option("--reload-timeout", type=float, default=None, metavar="SECONDS",
-                     help="Deadline of the pause (which waits for running requests) and of the weight load "
-                          "alone [default: --timeout if given, else 3600 s]."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
 
 
 def _split(targets: tuple[str, ...]) -> tuple[list[str], str]:
@@ -86,7 +56,7 @@ def reload():
 
 
 @reload.command("vllm")
-@_common
+@RELOAD
 @click.option("--pause", type=click.Choice(["wait", "abort", "keep"]), default="wait", show_default=True,
               help="wait: finish running requests, queue new ones; abort: abort running; keep: freeze them "
                    "(they finish on the new weights).")
@@ -96,7 +66,7 @@ def reload():
 def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
                     reload_timeout, pause, rollback):
     """Reload CKPT into vLLM servers started with VLLM_SERVER_DEV_MODE=1 (vLLM 0.32/0.33)."""
-    from qconvert.loaders.vllm_client import reload_vllm
+    from qconvert.client.vllm_client import reload_vllm
 
     urls, ckpt = _split(targets)
     _report(reload_vllm(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
@@ -105,7 +75,7 @@ def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, k
 
 
 @reload.command("sglang")
-@_common
+@RELOAD
 @click.option("--pause", type=click.Choice(["abort", "retract", "in_place"]), default="retract",
               show_default=True,
               help="abort: abort running requests; retract: re-queue them (recomputed on the new weights); "
@@ -114,7 +84,7 @@ def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, k
 def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
                       reload_timeout, pause):
     """Reload CKPT into SGLang servers (0.5.23) through /update_weights_from_disk."""
-    from qconvert.loaders.sglang_client import reload_sglang
+    from qconvert.client.sglang_client import reload_sglang
 
     urls, ckpt = _split(targets)
     _report(reload_sglang(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
@@ -122,34 +92,63 @@ def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name,
                           **_timeouts(timeout, reload_timeout)), "sglang")
 
 
-@click.command("stage")
-@click.argument("args", nargs=-1, metavar="CKPT NAME")
-@click.option("--list", "do_list", is_flag=True, help="List staging areas.")
-@click.option("--drop", "drop", default=None, metavar="NAME", help="Remove a staging area.")
-@_errors
-def stage(args, do_list, drop):
-    """Copy CKPT into the shared-memory staging area NAME (/dev/shm/qconvert/NAME, mode 0600)."""
-    from qconvert.loaders import staging
+class _StageGroup(click.Group):
+    """``stage`` takes subcommands (as ``reload`` does); the flag forms of earlier releases still work,
+    hidden: ``stage CKPT NAME`` = ``stage create``, ``stage --list`` = ``stage list``,
+    ``stage --drop NAME`` = ``stage drop NAME``."""
 
-    if sum([bool(args), do_list, drop is not None]) != 1:
-        raise click.UsageError("use one of: stage CKPT NAME | stage --list | stage --drop NAME")
-    if do_list:
-        areas = staging.list_areas()
-        if not areas:
-            click.echo(f"no staging areas under {staging.staging_root()}")
-        for a in areas:
-            if a["ok"]:
-                click.echo(f"{a['name']}\t{a['bytes'] / 1e6:.1f} MB\t{a['source']}")
-            else:
-                click.echo(f"{a['name']}\tBROKEN\t{a['problem']}")
-        return
-    if drop is not None:
-        if not staging.drop_area(drop):
-            raise QConvertError(f"no staging area {drop!r} under {staging.staging_root()}; see `qconvert stage --list`")
-        click.echo(f"dropped {drop}")
-        return
-    if len(args) != 2:
-        raise click.UsageError("stage CKPT NAME")
-    area = staging.stage_checkpoint(args[0], args[1])
-    click.echo(f"staged {args[0]} as {area.path} ({area.nbytes / 1e6:.1f} MB, "
+    def parse_args(self, ctx, args):
+        if args and args[0] in ("--list", "--drop"):
+            args = [args[0][2:], *args[1:]]
+        elif args and not args[0].startswith("-") and args[0] not in self.commands:
+            args = ["create", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("stage", cls=_StageGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def stage():
+    """Shared-memory staging areas (/dev/shm/qconvert/NAME, mode 0600) that servers reload from."""
+
+
+@stage.command("create")
+@click.argument("ckpt")
+@click.argument("name")
+@_errors
+def stage_create(ckpt, name):
+    """Copy CKPT into the staging area NAME."""
+    from qconvert.client import staging
+
+    area = staging.stage_checkpoint(ckpt, name)
+    click.echo(f"staged {ckpt} as {area.path} ({area.nbytes / 1e6:.1f} MB, "
                f"{len(area.manifest['tensors'])} tensors, 256-byte aligned)")
+
+
+@stage.command("list")
+@_errors
+def stage_list():
+    """List the staging areas."""
+    from qconvert.client import staging
+
+    areas = staging.list_areas()
+    if not areas:
+        click.echo(f"no staging areas under {staging.staging_root()}")
+    for a in areas:
+        if a["ok"]:
+            click.echo(f"{a['name']}\t{a['bytes'] / 1e6:.1f} MB\t{a['source']}")
+        else:
+            click.echo(f"{a['name']}\tBROKEN\t{a['problem']}")
+
+
+@stage.command("drop")
+@click.argument("name")
+@_errors
+def stage_drop(name):
+    """Remove the staging area NAME."""
+    from qconvert.client import staging
+
+    if not staging.drop_area(name):
+        raise QConvertError(f"no staging area {name!r} under {staging.staging_root()}; see `qconvert stage list`")
+    click.echo(f"dropped {name}")
+
+
+COMMANDS = (reload, stage)

@@ -1,0 +1,153 @@
+"""What the vLLM and SGLang reload clients share: the result and error types, the fan-out over
+data-parallel replicas (threads, Ctrl-C handling), resuming a paused server whatever happened,
+and resolving the checkpoint the servers read (a directory, a fresh staging area, or ``shm:NAME``)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qconvert.client.http import clean
+from qconvert.errors import QConvertError
+from qconvert.interrupts import second_interrupt_allowed
+
+log = logging.getLogger("qconvert.reload")
+
+
+class ReloadError(QConvertError):
+    """A reload failed; the message carries the server's own text (cleaned) where there is one."""
+
+
+class ReloadInterrupted(ReloadError):
+    """Ctrl-C during a reload; the message says, per server, whether it was resumed."""
+
+
+@dataclass
+class ReloadResult:
+    url: str
+    ok: bool
+    weight_version: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    rolled_back: bool = False
+    verify: dict = field(default_factory=dict)
+
+
+def resume_after(client, failure: BaseException | None) -> None:
+    """Resume a server after a pause request was sent (vLLM or SGLang: ``client.RESUME_ROUTE``),
+    whatever happened; say in the error whether it was resumed, and if not, how to resume it. A
+    resume failure never hides the original error."""
+    try:
+        client.resume()
+    except QConvertError as err:
+        line = (f"the server may still be paused ({err}); resume it with: {client.resume_command()}")
+        if failure is None:
+            raise ReloadError(f"{client.url}: reload done but {line}") from err
+        if isinstance(failure, QConvertError):
+            failure.args = (f"{failure}; {line}",)
+        else:
+            log.error("%s: %s", client.url, line)
+        return
+    if isinstance(failure, QConvertError):
+        failure.args = (f"{failure}; server resumed",)
+
+
+def drop_staged(name: str) -> None:
+    """Remove the staging area a reload created; one warning line if that fails."""
+    from qconvert.client import staging
+
+    try:
+        staging.drop_area(name)
+    except (OSError, QConvertError) as e:
+        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage drop %s",
+                    staging.staging_root(), name, clean(e, 200), name)
+
+
+def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
+    """(path the servers read, layout contract of a staging area or None, name of the staging area
+    this call created or None)."""
+    s = str(ckpt)
+    if s.startswith("shm:"):
+        area = open_area(s[4:])
+        return str(area.path), area.contract, None
+    p = Path(s)
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
+                            "(the server must see the same path)")
+    if via == "disk":
+        return str(p.resolve()), None, None
+    if via != "shm":
+        raise QConvertError(f"--via {via!r}: use disk or shm")
+    name = stage_name or default_stage_name(p)
+    stage_checkpoint(p, name)
+    try:
+        area = open_area(name)
+    except BaseException:
+        drop_staged(name)
+        raise
+    return str(area.path), area.contract, name
+
+
+def default_stage_name(p: Path) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", p.resolve().name).lstrip(".-") or "ckpt"
+    return f"{base[:100]}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
+
+
+def wait_all(done: list[threading.Event]) -> None:
+    # Event waits, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as
+    # stopped (CPython before 3.13); short waits let Ctrl-C reach the main thread between them
+    for ev in done:
+        while not ev.wait(0.1):
+            pass
+
+
+def fan_out(clients, fn) -> tuple[list, list[str]]:
+    """Run ``fn(client)`` for every client on its own thread; return (results, error lines) in the
+    clients' order. Ctrl-C cancels every request in flight; each thread then resumes its server (a
+    resume is not cancelled) and the call raises :class:`ReloadInterrupted` saying, per server, what
+    state it was left in. A second Ctrl-C stops waiting for the resumes."""
+    n = len(clients)
+    results: list = [None] * n
+    errors: list = [None] * n
+    fatal: list = [None] * n
+
+    done = [threading.Event() for _ in clients]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(clients[i])
+        except QConvertError as e:
+            errors[i] = str(e)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            fatal[i] = e
+        finally:
+            done[i].set()
+
+    # daemon threads: the interpreter never waits at exit for a server that does not answer
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"qconvert-reload-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        wait_all(done)
+    except KeyboardInterrupt:
+        for c in clients:
+            c.http.cancel()
+        try:
+            with second_interrupt_allowed():
+                wait_all(done)
+        except KeyboardInterrupt:
+            pending = [c for c, ev in zip(clients, done) if not ev.is_set()]
+            raise ReloadInterrupted(
+                "interrupted twice; not waiting for " + ", ".join(c.url for c in pending) + " to resume: each may "
+                "still be paused; resume with: " + " ; ".join(c.resume_command() for c in pending)) from None
+        lines = [e if e else f"{c.url}: {'reloaded' if r is not None else f'interrupted ({clean(x, 200)})'}"
+                 for c, r, e, x in zip(clients, results, errors, fatal)]
+        raise ReloadInterrupted("interrupted (Ctrl-C): " + "; ".join(lines)) from None
+    for e in fatal:
+        if e is not None:
+            raise e
+    return [r for r in results if r is not None], [e for e in errors if e]

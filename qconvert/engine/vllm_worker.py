@@ -1,0 +1,69 @@
+"""qconvert's vLLM worker extension: imported INSIDE a vLLM server's worker processes, started with
+``--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension``. The reload client
+(:mod:`qconvert.client.vllm_client`) calls its methods through ``/collective_rpc``.
+
+Why it exists (vLLM 0.32.0, found in testing; see :mod:`qconvert.client.vllm_client`): the CPU
+build leaves MoE experts unprepacked after ``reload_weights`` (``qconvert_repack_cpu_moe``), a
+failed reload leaves half-loaded layers' buffers behind (``qconvert_clear_failed_reload``), and a
+pre-shuffled checkpoint needs its own loader (``qconvert_load_preshuffled``).
+"""
+
+from __future__ import annotations
+
+
+def repack_cpu_moe_after_reload(model) -> int:
+    """Prepack the experts of every CPU unquantized MoE layer in place (vLLM 0.32 CPU); returns the
+    number of layers. Only valid right after a reload that wrote every layer (what qconvert sends)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    n = 0
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if not isinstance(qm, UnquantizedFusedMoEMethod) or getattr(qm, "moe_kernel", None) is None:
+            continue
+        fe = qm.moe_kernel.fused_experts
+        if not isinstance(fe, CPUUnquantizedExperts) or getattr(fe, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(m, name)
+            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), fe.isa))
+        n += 1
+    return n
+
+
+class WorkerExtension:
+    """vLLM worker extension (``--worker-extension-cls``); method names are prefixed ``qconvert_``
+    because vLLM refuses extension attributes that already exist on the worker."""
+
+    def qconvert_ping(self) -> str:
+        from qconvert import __version__
+
+        return f"qconvert-{__version__}"
+
+    def qconvert_clear_failed_reload(self) -> int:
+        """Drop the tensors a failed ``reload_weights`` buffered for layers it did not finish, so the
+        rollback reload starts those layers from zero (vLLM 0.32 keeps them and would mix them in)."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        n = 0
+        for m in self.model_runner.get_model().modules():
+            info = LAYERWISE_INFO.get(m)
+            if info is not None and info.can_load() and (info.loaded_weights or info.load_numel):
+                info.loaded_weights = []
+                info.load_numel = 0
+                n += 1
+        return n
+
+    def qconvert_repack_cpu_moe(self) -> int:
+        import torch
+
+        with torch.no_grad():
+            return repack_cpu_moe_after_reload(self.model_runner.get_model())
+
+    def qconvert_load_preshuffled(self, path: str) -> dict:
+        """Load a pre-shuffled (flashinfer-trtllm layout) checkpoint: see vllm_layout_loader."""
+        from qconvert.engine.vllm_layout_loader import load_into_worker
+
+        return load_into_worker(self, path)
