@@ -8,8 +8,10 @@ A change that should not change bytes (a refactor) must leave this output identi
     ... change ...
     SOURCE_DATE_EPOCH=0 python scripts/output_digests.py > after.txt && diff before.txt after.txt
 
-``SOURCE_DATE_EPOCH`` fixes the manifest's timestamp (set to 0 if unset). ``--synthetic-layers N``
-adds a synthetic checkpoint of N layers (~1.9 GB for 1) made by ``scripts/make_synthetic.py``.
+``SOURCE_DATE_EPOCH`` fixes the manifest's timestamp (set to 0 if unset), and the scratch directory
+is a fixed path (``--work``, emptied first), since the manifest names the source's path: compare
+runs made with the same ``--work``. ``--synthetic-layers N`` adds a synthetic checkpoint of N layers
+(~1.9 GB for 1) made by ``scripts/make_synthetic.py``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,13 +82,16 @@ def run(model: str, src: Path, work: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--synthetic-layers", type=int, default=0)
-    ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--work", default="/tmp/qconvert-digests",
+                    help="scratch directory, emptied first (the manifests name paths in it)")
     a = ap.parse_args(argv)
     os.environ.setdefault("SOURCE_DATE_EPOCH", "0")
     from qconvert.convert.demo import build_demo_model
 
-    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-        work = Path(tmp)
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
         for arch, model in (("qwen3-moe", "demo-moe"), ("qwen3", "demo-dense")):
             run(model, build_demo_model(work / f"src-{model}", arch=arch), work)
         if a.synthetic_layers:
@@ -94,6 +99,8 @@ def main(argv=None) -> None:
             subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), str(synth), "--layers",
                             str(a.synthetic_layers), "--shard-gb", "1"], check=True, capture_output=True)
             run("synth", synth, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
