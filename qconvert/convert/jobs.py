@@ -47,16 +47,58 @@ class BuiltJobs:
     layout_layers: dict[str, str] = field(default_factory=dict)
 
 
-def keep_job(name: str, dtype: torch.dtype, shape: tuple, check_finite: bool) -> Job:
+def non_finite_error(name: str) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise :func:`non_finite_error` if ``t`` holds NaN or +-Inf (one pass, see kernels.all_finite)."""
+    if t.is_floating_point() and t.numel() and not kernels.all_finite(t):
+        raise non_finite_error(name)
+
+
+def quantize_mxfp8(name: str, x: torch.Tensor, check: bool, blocks_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP8 step of every job: ``x`` (source tensor ``name``, on its device) quantized on this
+    thread's workers (kernels.workers) through ``blocks_fn`` (kernels.blocks_fn), and, with
+    ``check``, a NaN/Inf check for free: such a block gets the scale byte 255, which nothing else
+    does."""
+    q, s = mxfp8_quantize(x, workers=kernels.workers(), blocks_fn=blocks_fn)
+    if check and bool((s == 255).any()):
+        raise non_finite_error(name)
+    return q, s
+
+
+def quantize_nvfp4_group(xs: dict[str, torch.Tensor], check: bool, recipe: str, blocks_fn):
+    """The NVFP4 step of every job: the members of one fused group (source name -> tensor on its
+    device) share one global scale, the max amax over the group. Returns ``(g, {name: (packed,
+    block scale, scale_2)})``; ``g`` is a numpy fp32 scalar where the CPU kernels ran, else a
+    0-dim fp32 tensor. With ``check``, a member holding NaN/Inf raises (naming it)."""
+    from .numerics.nvfp4 import nvfp4_quantize
+
+    if all(cpu_kernels.usable(x) for x in xs.values()):  # fp32 scalars in numpy, not 0-dim tensors
+        amaxes = {n: cpu_kernels.abs_max_f32(x, kernels.workers()) for n, x in xs.items()}
+        g = np.max(np.array(list(amaxes.values()), dtype=np.float32))  # NaN propagates
+        finite = bool(np.isfinite(g))
+    else:
+        amaxes = {n: kernels.abs_max(x).float() for n, x in xs.items()}
+        g = torch.stack(list(amaxes.values())).amax()
+        finite = bool(torch.isfinite(g))
+    if check and not finite:
+        raise non_finite_error(next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a)))))
+    return g, {n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
+               for n, x in xs.items()}
+
+
+def keep_job(name: str, dtype: torch.dtype, shape: tuple, check: bool) -> Job:
     def fn(src):
         t = src[name]
-        if check_finite and t.is_floating_point() and t.numel() and not kernels.all_finite(t):
-            raise CheckpointError(f"tensor {name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        if check:
+            check_finite(name, t)
         return {name: t}
     return Job([name], [dialects.OutTensor(name, dtype, tuple(shape), "bf16")], fn, "bf16")
 
 
-def mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
+def mxfp8_job(tp, dialect: str, device: str, check: bool) -> Job:
     outs = dialects.mxfp8_out_tensors(tp.module, tp.shape, dialect)
     blocks_fn = kernels.blocks_fn("mxfp8", device)
 
@@ -64,38 +106,22 @@ def mxfp8_job(tp, dialect: str, device: str, check_finite: bool) -> Job:
         x = src[tp.name]
         if device != "cpu":
             x = x.to(device, non_blocking=True)
-        q, s = mxfp8_quantize(x, workers=kernels.workers(), blocks_fn=blocks_fn)
-        if check_finite and bool((s == 255).any()):
-            raise CheckpointError(f"tensor {tp.name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        q, s = quantize_mxfp8(tp.name, x, check, blocks_fn)
         return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
     return Job([tp.name], outs, fn, "mxfp8", device_input=device != "cpu")
 
 
-def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: dict | None, check_finite: bool) -> Job:
+def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: dict | None, check: bool) -> Job:
     """One job per fused group: members share one global scale (max amax over the group)."""
-    from .numerics.nvfp4 import nvfp4_quantize
-
     outs_of = {tp.name: dialects.nvfp4_out_tensors(tp.module, tp.shape, dialect, opts.input_mode) for tp in members}
     device = opts.device
     blocks_fn = kernels.blocks_fn("nvfp4", device)
 
     def fn(src):
         xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
-        if all(cpu_kernels.usable(x) for x in xs.values()):  # fp32 scalars in numpy, not 0-dim tensors
-            amaxes = {n: cpu_kernels.abs_max_f32(x, kernels.workers()) for n, x in xs.items()}
-            g = np.max(np.array(list(amaxes.values()), dtype=np.float32))  # NaN propagates
-            finite = bool(np.isfinite(g))
-        else:
-            amaxes = {n: kernels.abs_max(x).float() for n, x in xs.items()}
-            g = torch.stack(list(amaxes.values())).amax()
-            finite = bool(torch.isfinite(g))
-        if check_finite and not finite:
-            bad = next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a))))
-            raise CheckpointError(f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+        g, quantized = quantize_nvfp4_group(xs, check, opts.recipe, blocks_fn)
         result = {}
-        for n, x in xs.items():
-            packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=opts.recipe, workers=kernels.workers(),
-                                                    blocks_fn=blocks_fn)
+        for n, (packed, scale, scale_2) in quantized.items():
             outs = outs_of[n]
             mod = n[: -len(".weight")]
             result[outs[0].name] = packed  # the writer thread copies device tensors back
@@ -268,36 +294,43 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
     order = [experts[e][p].name for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")]
     check = not opts.allow_non_finite
     device = opts.device
+    blocks_fn = kernels.blocks_fn(scheme, device) if scheme != "bf16" else None
 
     def fn(src):
+        # Each expert matrix is checked and quantized alone, by the helpers every job uses (same
+        # kernels, threads and NaN/Inf checks as the plain jobs), then stacked: quantization is
+        # row-local, so quantize(cat(gate, up)) == cat(quantize(gate), quantize(up)) byte for byte.
         def get(e, p):
             x = src[experts[e][p].name]
             return x.to(device, non_blocking=True) if device != "cpu" else x
-        w13 = torch.stack([torch.cat([get(e, "gate_proj"), get(e, "up_proj")]) for e in range(n_exp)])
-        w2 = torch.stack([get(e, "down_proj") for e in range(n_exp)])
+
+        def stack13(pairs):
+            return torch.stack([torch.cat([a, b]) for a, b in pairs])
         if scheme == "bf16":
-            if check and not (bool(torch.isfinite(w13).all()) and bool(torch.isfinite(w2).all())):
-                raise CheckpointError(f"{prefix}: expert weights contain NaN or Inf; fix the source or pass --allow-non-finite")
-            plain = {"w13_weight": w13, "w2_weight": w2}
+            if check:
+                for name in order:
+                    check_finite(name, src[name])
+            plain = {"w13_weight": stack13([(get(e, "gate_proj"), get(e, "up_proj")) for e in range(n_exp)]),
+                     "w2_weight": torch.stack([get(e, "down_proj") for e in range(n_exp)])}
         elif scheme == "mxfp8":
-            from .numerics.mxfp8 import mxfp8_quantize
-            q13, s13 = mxfp8_quantize(w13)
-            q2, s2 = mxfp8_quantize(w2)
-            if check and (bool((s13 == 255).any()) or bool((s2 == 255).any())):
-                raise CheckpointError(f"{prefix}: expert weights contain NaN or Inf; fix the source or pass --allow-non-finite")
-            plain = {"w13_weight": q13, "w13_weight_scale": s13, "w2_weight": q2, "w2_weight_scale": s2}
+            q = {(e, p): quantize_mxfp8(experts[e][p].name, get(e, p), check, blocks_fn)
+                 for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")}
+            plain = {"w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in range(n_exp)]),
+                     "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in range(n_exp)]),
+                     "w2_weight": torch.stack([q[e, "down_proj"][0] for e in range(n_exp)]),
+                     "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in range(n_exp)])}
+            del q
         else:
-            from .numerics.nvfp4 import nvfp4_quantize
-            g13 = w13.abs().amax(dim=(1, 2)).float()  # gate and up of each expert share one global scale
-            g2 = w2.abs().amax(dim=(1, 2)).float()
-            if check and not (bool(torch.isfinite(g13).all()) and bool(torch.isfinite(g2).all())):
-                raise CheckpointError(f"{prefix}: expert weights contain NaN or Inf; fix the source or pass --allow-non-finite")
             p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
-            for e in range(n_exp):
-                a, b, c = nvfp4_quantize(w13[e], global_amax=g13[e], recipe=opts.recipe)
-                p13.append(a), s13.append(b), ws13.append(c)
-                a, b, c = nvfp4_quantize(w2[e], global_amax=g2[e], recipe=opts.recipe)
-                p2.append(a), s2.append(b), ws2.append(c)
+            for e in range(n_exp):  # gate and up of each expert share one global scale
+                gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
+                _, qgu = quantize_nvfp4_group({gate: get(e, "gate_proj"), up: get(e, "up_proj")}, check, opts.recipe,
+                                              blocks_fn)
+                p13.append(torch.cat([qgu[gate][0], qgu[up][0]]))
+                s13.append(torch.cat([qgu[gate][1], qgu[up][1]]))
+                ws13.append(qgu[gate][2])
+                _, qd = quantize_nvfp4_group({down: get(e, "down_proj")}, check, opts.recipe, blocks_fn)
+                p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
             ws13_t = torch.stack(ws13)
             plain = {"w13_weight": torch.stack(p13), "w13_weight_scale": torch.stack(s13),
                      "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1), "w2_weight": torch.stack(p2),
@@ -308,7 +341,8 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
                 a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in range(n_exp)])
             else:
                 a13, a2 = torch.ones(n_exp, 2), torch.ones(n_exp)
-            plain["w13_input_scale"], plain["w2_input_scale"] = a13.to(w13.device), a2.to(w13.device)
+            dev = plain["w13_weight"].device
+            plain["w13_input_scale"], plain["w2_input_scale"] = a13.to(dev), a2.to(dev)
         ranks = trtllm.transform_moe_layer(plain, scheme, engine, tp=tp, ep=ep)
         out = {}
         for (r, q), params in ranks.items():
