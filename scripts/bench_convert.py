@@ -130,7 +130,7 @@ def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "c
                           source_checksums=source_checksums, output_checksums=output_checksums, layout=layout)
     if input_mode:
         opts.input_mode = input_mode
-    convert(src, dst, opts=opts)
+    convert(src, dst, scheme, opts)  # (the scheme argument also for trees before options.resolve_scheme)
 
 
 # ---- running and measuring processes ----------------------------------------------------------------

@@ -80,24 +80,28 @@ def test_layout_jobs_name_the_non_finite_tensor_as_plain_jobs_do(tmp_path, schem
     assert (dst / "qconvert.json").is_file()
 
 
-def test_layout_jobs_quantize_on_all_workers(demo_moe, tmp_path, monkeypatch):
-    """The layout job quantizes through the CPU kernels on the calling thread's workers (all
-    cores), as the plain jobs do, not on torch's thread count (1 inside a conversion)."""
-    from qconvert.convert import kernels
-    from qconvert.convert.numerics import cpu_kernels, mxfp8
+def test_layout_jobs_quantize_on_all_cores_as_plain_jobs_do(demo_moe, tmp_path, monkeypatch):
+    """The layout job quantizes every expert matrix through the plain jobs' helper, one matrix per
+    thread on several threads at once, each single-threaded (as job threads run plain experts);
+    not on torch's thread count, which is 1 inside a conversion."""
+    import threading
 
-    if cpu_kernels.unavailable_reason() is not None:
-        pytest.skip("no CPU kernels here")
+    from qconvert.convert import kernels
+    from qconvert.convert.numerics import mxfp8
+
     monkeypatch.setattr(kernels, "CPU_WORKERS", 3)
     monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 0)  # every job on the calling thread
     seen = []
     real = mxfp8.mxfp8_quantize
 
     def spy(x, workers=None, blocks_fn=None):
-        seen.append(workers)
+        seen.append((threading.current_thread().name, workers, tuple(x.shape)))
         return real(x, workers=workers, blocks_fn=blocks_fn)
     monkeypatch.setattr("qconvert.convert.jobs.mxfp8_quantize", spy)
     res = convert(str(demo_moe), tmp_path / "out", opts=ConvertOptions(scheme="mxfp8", layout="flashinfer-trtllm",
                                                                        progress=False, fsync=False))
-    assert any(".experts." in t.name for t in res.plan.quantized)
-    assert len(seen) == res.n_quantized and set(seen) == {3}, (len(seen), res.n_quantized, set(seen))
+    experts = [t for t in res.plan.quantized if ".experts." in t.name]
+    assert experts and len(seen) == res.n_quantized, (len(seen), res.n_quantized)
+    on_layout = [(name, w) for name, w, _ in seen if name.startswith("qconvert-layout")]
+    assert len(on_layout) == len(experts) and {w for _, w in on_layout} == {1}, on_layout[:3]
+    assert len({name for name, _ in on_layout}) >= 2  # side by side, up to one thread per core (CPU_WORKERS)

@@ -8,6 +8,7 @@ tensors whose names, dtypes and shapes are known before any byte is read.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -295,60 +296,107 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
     check = not opts.allow_non_finite
     device = opts.device
     blocks_fn = kernels.blocks_fn(scheme, device) if scheme != "bf16" else None
+    per_rank = n_exp // ep
+    # NVFP4's per-rank scalars (a max over the rank's experts); every other output is per expert
+    scalars = set(trtllm.nvfp4_scalars(engine, torch.ones(1, 2), torch.ones(1), torch.ones(1, 2), torch.ones(1))
+                  ) if scheme == "nvfp4" else set()
 
-    def fn(src):
-        # Each expert matrix is checked and quantized alone, by the helpers every job uses (same
-        # kernels, threads and NaN/Inf checks as the plain jobs), then stacked: quantization is
-        # row-local, so quantize(cat(gate, up)) == cat(quantize(gate), quantize(up)) byte for byte.
-        def get(e, p):
-            x = src[experts[e][p].name]
-            return x.to(device, non_blocking=True) if device != "cpu" else x
+    def get(src, e, p):
+        x = src[experts[e][p].name]
+        return x.to(device, non_blocking=True) if device != "cpu" else x
 
-        def stack13(pairs):
-            return torch.stack([torch.cat([a, b]) for a, b in pairs])
+    def stack13(pairs):
+        return torch.stack([torch.cat([a, b]) for a, b in pairs])
+
+    def plain_of(src, es: range) -> dict[str, torch.Tensor]:
+        """The plain stacked tensors of experts ``es``. Each expert matrix is checked and quantized
+        alone, by the helpers every job uses (same kernels, threads and NaN/Inf checks as the plain
+        jobs), then stacked: quantization is row-local, so quantize(cat(gate, up)) ==
+        cat(quantize(gate), quantize(up)) byte for byte."""
         if scheme == "bf16":
             if check:
-                for name in order:
-                    check_finite(name, src[name])
-            plain = {"w13_weight": stack13([(get(e, "gate_proj"), get(e, "up_proj")) for e in range(n_exp)]),
-                     "w2_weight": torch.stack([get(e, "down_proj") for e in range(n_exp)])}
-        elif scheme == "mxfp8":
-            q = {(e, p): quantize_mxfp8(experts[e][p].name, get(e, p), check, blocks_fn)
-                 for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")}
-            plain = {"w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in range(n_exp)]),
-                     "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in range(n_exp)]),
-                     "w2_weight": torch.stack([q[e, "down_proj"][0] for e in range(n_exp)]),
-                     "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in range(n_exp)])}
-            del q
+                for e in es:
+                    for p in ("gate_proj", "up_proj", "down_proj"):
+                        check_finite(experts[e][p].name, src[experts[e][p].name])
+            return {"w13_weight": stack13([(get(src, e, "gate_proj"), get(src, e, "up_proj")) for e in es]),
+                    "w2_weight": torch.stack([get(src, e, "down_proj") for e in es])}
+        if scheme == "mxfp8":
+            q = {(e, p): quantize_mxfp8(experts[e][p].name, get(src, e, p), check, blocks_fn)
+                 for e in es for p in ("gate_proj", "up_proj", "down_proj")}
+            return {"w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in es]),
+                    "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in es]),
+                    "w2_weight": torch.stack([q[e, "down_proj"][0] for e in es]),
+                    "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in es])}
+        p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
+        for e in es:  # gate and up of each expert share one global scale
+            gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
+            _, qgu = quantize_nvfp4_group({gate: get(src, e, "gate_proj"), up: get(src, e, "up_proj")}, check,
+                                          opts.recipe, blocks_fn)
+            p13.append(torch.cat([qgu[gate][0], qgu[up][0]]))
+            s13.append(torch.cat([qgu[gate][1], qgu[up][1]]))
+            ws13.append(qgu[gate][2])
+            _, qd = quantize_nvfp4_group({down: get(src, e, "down_proj")}, check, opts.recipe, blocks_fn)
+            p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
+        ws13_t = torch.stack(ws13)
+        if input_scales is not None:
+            a13 = torch.stack([torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")])
+                               for e in es])
+            a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in es])
         else:
-            p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
-            for e in range(n_exp):  # gate and up of each expert share one global scale
-                gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
-                _, qgu = quantize_nvfp4_group({gate: get(e, "gate_proj"), up: get(e, "up_proj")}, check, opts.recipe,
-                                              blocks_fn)
-                p13.append(torch.cat([qgu[gate][0], qgu[up][0]]))
-                s13.append(torch.cat([qgu[gate][1], qgu[up][1]]))
-                ws13.append(qgu[gate][2])
-                _, qd = quantize_nvfp4_group({down: get(e, "down_proj")}, check, opts.recipe, blocks_fn)
-                p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
-            ws13_t = torch.stack(ws13)
-            plain = {"w13_weight": torch.stack(p13), "w13_weight_scale": torch.stack(s13),
-                     "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1), "w2_weight": torch.stack(p2),
-                     "w2_weight_scale": torch.stack(s2), "w2_weight_scale_2": torch.stack(ws2)}
-            if input_scales is not None:
-                a13 = torch.stack([torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")])
-                                   for e in range(n_exp)])
-                a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in range(n_exp)])
-            else:
-                a13, a2 = torch.ones(n_exp, 2), torch.ones(n_exp)
-            dev = plain["w13_weight"].device
-            plain["w13_input_scale"], plain["w2_input_scale"] = a13.to(dev), a2.to(dev)
-        ranks = trtllm.transform_moe_layer(plain, scheme, engine, tp=tp, ep=ep)
-        out = {}
-        for (r, q), params in ranks.items():
-            tag = rank_tag(r, q, tp, ep)
-            for name, t in params.items():
-                out[f"{prefix}.{tag}.{name}"] = t.contiguous().cpu()
-        return out
+            a13, a2 = torch.ones(len(es), 2), torch.ones(len(es))
+        dev = p13[0].device
+        return {"w13_weight": torch.stack(p13), "w13_weight_scale": torch.stack(s13),
+                "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1), "w2_weight": torch.stack(p2),
+                "w2_weight_scale": torch.stack(s2), "w2_weight_scale_2": torch.stack(ws2),
+                "w13_input_scale": a13.to(dev), "w2_input_scale": a2.to(dev)}
+
+    def fn(src):
+        # Experts are laid out chunk by chunk (the layout moves rows within each expert; only
+        # NVFP4's scalars span a rank's experts), each chunk into its slice of the outputs, the
+        # chunks side by side on all cores (CPU), as the plain jobs run one per core.
+        out = {rq: {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in params if name not in scalars}
+               for rq, params in specs.items()}
+        per_expert = {"w13_weight_scale_2": (n_exp, 2), "w2_weight_scale_2": (n_exp,), "w13_input_scale": (n_exp, 2),
+                      "w2_input_scale": (n_exp,)} if scalars else {}
+        nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}
+
+        def chunk(c0: int, c1: int):
+            q, base = c0 // per_rank, (c0 // per_rank) * per_rank
+            plain = plain_of(src, range(c0, c1))
+            for k in nv:
+                nv[k][c0:c1].copy_(plain[k])
+            for (r, _), params in trtllm.transform_moe_layer(plain, scheme, engine, tp=tp, ep=1).items():
+                for name, t in params.items():
+                    if name not in scalars:
+                        out[(r, q)][name][c0 - base:c1 - base].copy_(t)
+
+        parallel = device == "cpu" and kernels.workers() > 1
+        size = max(1, -(-n_exp // (2 * kernels.workers()))) if parallel else per_rank
+        run_all(chunk, [(c0, min(c0 + size, q * per_rank + per_rank)) for q in range(ep)
+                        for c0 in range(q * per_rank, (q + 1) * per_rank, size)], parallel)
+        for (r, q) in out:
+            if scalars:
+                e0, e1 = q * per_rank, (q + 1) * per_rank
+                out[(r, q)].update(trtllm.nvfp4_scalars(engine, *(nv[k][e0:e1] for k in per_expert)))
+        return {f"{prefix}.{rank_tag(r, q, tp, ep)}.{name}": t.contiguous() for (r, q), params in out.items()
+                for name, t in params.items()}
 
     return Job(order, outputs, fn, f"{scheme}+trtllm")
+
+
+def run_all(fn, args: list[tuple], parallel: bool) -> None:
+    """``fn(*a)`` for each ``a`` of ``args``: here one after the other, or with ``parallel`` on
+    one thread per core (kernels.workers), each quantizing single-threaded, as job threads do.
+    The first exception (in ``args`` order) is raised once every started call has ended."""
+    if not parallel or len(args) < 2:
+        for a in args:
+            fn(*a)
+        return
+    pool = ThreadPoolExecutor(min(kernels.workers(), len(args)), thread_name_prefix="qconvert-layout",
+                              initializer=kernels.single_threaded_job_thread)
+    try:
+        futures = [pool.submit(fn, *a) for a in args]
+        for f in futures:
+            f.result()
+    finally:
+        kernels.settle([lambda: pool.shutdown(wait=True, cancel_futures=True)])

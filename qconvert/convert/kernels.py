@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Callable
 
 import torch
 
@@ -112,3 +113,19 @@ def slow_quantizer_note(scheme: str, device: str) -> str | None:
     if cuda_quantizer(device) == "eager" and os.environ.get("QCONVERT_CUDA_QUANTIZER") != "eager":
         return f"{scheme} quantized by the eager torch chains on {device}: Triton is not importable; same bytes, slower"
     return None
+
+
+def settle(steps: list[Callable[[], object]]) -> None:
+    """Run each cleanup step to its end, in order. A KeyboardInterrupt (a second Ctrl-C) during a
+    step runs that step again (each is safe to repeat: joins, shutdowns, closes) and is raised
+    once every step has finished, so threads are never left running behind the interrupt."""
+    interrupted: KeyboardInterrupt | None = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted

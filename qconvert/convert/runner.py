@@ -23,8 +23,6 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 from ..errors import CheckpointError, OutputError
@@ -224,7 +222,7 @@ class Runner:
                 writers.append(None if h.path.name in done else
                                HashingWriter(self.tmp / h.path.name, self.specs[i], self.opts.output_checksums))
         except BaseException:
-            settle([w.abort for w in writers if w is not None])  # their hash threads end here too
+            kernels.settle([w.abort for w in writers if w is not None])  # their hash threads end here too
             raise
         self.needed = {s for j in self.jobs if any(writers[self.out_shard[o.name]] is not None for o in j.outputs)
                        for s in j.sources}
@@ -444,7 +442,7 @@ class Runner:
         thread still running at interpreter exit aborts the process as it drops a torch tensor
         ("terminate called without an active exception", exit -6), and one still quantizing
         writes into freed memory. A Ctrl-C while waiting here is held until they have ended."""
-        settle([self._stop_all, self._end_pool, self._end_writer, self._end_closers, self._end_reader,
+        kernels.settle([self._stop_all, self._end_pool, self._end_writer, self._end_closers, self._end_reader,
                 self._end_hashers, self.bar.close, self._abort_writers])
 
     def _stop_all(self):
@@ -501,24 +499,8 @@ class Runner:
                     if self.journal is not None:
                         self.journal.output_done(name, self.output_sha[name], w.w.size)
         except BaseException:
-            settle([w.abort for w in self.writers if w is not None])  # no hash thread outlives the run
+            kernels.settle([w.abort for w in self.writers if w is not None])  # no hash thread outlives the run
             raise
-
-
-def settle(steps: list[Callable[[], object]]) -> None:
-    """Run each cleanup step to its end, in order. A KeyboardInterrupt (a second Ctrl-C) during a
-    step runs that step again (each is safe to repeat: joins, shutdowns, closes) and is raised
-    once every step has finished, so threads are never left running behind the interrupt."""
-    interrupted: KeyboardInterrupt | None = None
-    for step in steps:
-        while True:
-            try:
-                step()
-                break
-            except KeyboardInterrupt as e:
-                interrupted = e
-    if interrupted is not None:
-        raise interrupted
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
