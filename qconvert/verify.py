@@ -524,6 +524,7 @@ class _Verifier:
         from types import SimpleNamespace
 
         from .convert import layout_jobs
+        from .convert.jobs import moe_layer_job
         from .convert.layouts import trtllm
         from .convert.numerics.nvfp4 import cpu_tensor_scalars
 
@@ -565,10 +566,7 @@ class _Verifier:
                     input_scales[f"{prefix}.{e}.up_proj"] = a13[e, -1].reshape(())
                     input_scales[f"{prefix}.{e}.down_proj"] = a2[e].reshape(())
             opts = SimpleNamespace(input_mode="copied", allow_non_finite=True, device="cpu", recipe=nv_recipe)
-            job: dict = {}
-            layout_jobs.moe_layer_job(prefix, members, scheme, engine, tp, ep, opts, input_scales,
-                                      lambda order, outputs, fn, fmt: job.setdefault("fn", fn))
-            want = job["fn"](xs)
+            want = moe_layer_job(prefix, members, scheme, engine, tp, ep, opts, input_scales).fn(xs)
         except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
             self.fail("structure", f"tensor {prefix}.*: the layout tensors cannot be re-made from SRC ({ex}); "
                                    "re-run the conversion")

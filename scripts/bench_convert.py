@@ -15,6 +15,7 @@ qconvert runs alternate (F Q F Q ...), and each ratio is taken pair by pair, so 
 speed drifts (shared CPUs) still gives a fair ratio; the table shows the median and range.
 
     python scripts/bench_convert.py --layers 4 --shard-gb 2 --repeat 3 --peers llmc,autoround --rss-sweep
+    python scripts/bench_convert.py --layers 2 --shard-gb 1 --repeat 3 --variants w4a4,layout   # --layout vs plain
 
 Targets (issue 7): qconvert / floor <= 1.4; peak RSS <= 2 x largest input shard + 1 GiB and
 about the same for 1 shard vs many and for 2x vs 4x layers; peers at least 3x slower.
@@ -122,14 +123,14 @@ def floor_main(src: str, dst: str, sizes_json: str, fsync: bool, queue_bytes: in
 
 
 def qconvert_main(scheme: str, src: str, dst: str, fsync: bool, device: str = "cpu", source_checksums: bool = True,
-                  output_checksums: bool = True):
+                  output_checksums: bool = True, layout: str | None = None, input_mode: str | None = None):
     from qconvert.convert.pipeline import ConvertOptions, convert
-    from qconvert.convert.plan import PlanOptions
 
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, force=True,
-                          progress=False, fsync=fsync, source_checksums=source_checksums,
-                          output_checksums=output_checksums)
-    convert(src, dst, scheme, opts)
+    opts = ConvertOptions(scheme=scheme, device=device, force=True, progress=False, fsync=fsync,
+                          source_checksums=source_checksums, output_checksums=output_checksums, layout=layout)
+    if input_mode:
+        opts.input_mode = input_mode
+    convert(src, dst, scheme, opts)  # (the scheme argument also for trees before options.resolve_scheme)
 
 
 # ---- running and measuring processes ----------------------------------------------------------------
@@ -200,7 +201,12 @@ def cmd_floor(src, dst, sizes, fsync, readinto=False):
             + (["--readinto"] if readinto else []))
 
 
-VARIANTS = {"default": [], "no-source-checksums": ["--no-source-checksums"], "no-checksums": ["--no-checksums"]}
+#: qconvert variants (flags of the _qconvert process). "layout" writes the MoE experts pre-shuffled
+#: (--layout flashinfer-trtllm); "w4a4" and "layout" give NVFP4 unit input scales (the TRT-LLM NVFP4
+#: MoE kernels are W4A4), so compare "layout" with "w4a4": --variants w4a4,layout (for MXFP8 the
+#: input-scale flag is ignored, and "w4a4" is the plain conversion).
+VARIANTS = {"default": [], "no-source-checksums": ["--no-source-checksums"], "no-checksums": ["--no-checksums"],
+            "w4a4": ["--input-scale", "unit"], "layout": ["--input-scale", "unit", "--layout", "flashinfer-trtllm"]}
 
 
 def checksum_flags(a) -> list[str]:
@@ -327,9 +333,10 @@ def bench(a) -> dict:
                     qc[name].append(record(" ".join(["qconvert"] + flags), "qconvert", scheme,
                                            run_measured(cmd_qconvert(scheme, src, dst, a.fsync, flags), log=log)))
                     _rm(dst)
+            first = qc[variants(a)[0][0]]
             for name, _ in variants(a):
                 q = qc[name]
-                rows.append({"scheme": scheme, "variant": name, "bytes_out": bytes_out,
+                rows.append({"vs_first": [m["wall"] / f["wall"] for f, m in zip(first, q)],"scheme": scheme, "variant": name, "bytes_out": bytes_out,
                              "floor_wall": statistics.median(f["wall"] for f in fl),
                              "qconvert_wall": statistics.median(m["wall"] for m in q),
                              "ratio": [m["wall"] / f["wall"] for f, m in zip(fl, q)],
@@ -403,11 +410,15 @@ def report(res: dict, a) -> str:
              "no-source-checksums = output shards only; no-checksums = nothing hashed. "
              "Each round runs the floor, then every variant (order rotated per round); ratios are per round.")
     L.append("")
-    L.append("| scheme | qconvert options | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    first = variants(a)[0][0]
+    L.append(f"| scheme | qconvert options | output | floor wall | qconvert wall | qconvert / floor (median, range) | target | / {first} (median, range) | peak RSS floor | peak RSS qconvert | qconvert CPU s | floor CPU s |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res.get("rows", []):
+        vs = _ratio_cell(r["vs_first"]) if "vs_first" in r and r.get("variant") != first else "-"
+        if r.get("variant") == "layout":
+            vs += " (target <= 1.2)"
         L.append(f"| {r['scheme']} | {r.get('variant', '')} | {_gb(r['bytes_out'])} | {r['floor_wall']:.2f} s | {r['qconvert_wall']:.2f} s | "
-                 f"{_ratio_cell(r['ratio'])} | <= 1.4 | {_gib(r['floor_rss'])} | {_gib(r['qconvert_rss'])} | "
+                 f"{_ratio_cell(r['ratio'])} | <= 1.4 | {vs} | {_gib(r['floor_rss'])} | {_gib(r['qconvert_rss'])} | "
                  f"{r['qconvert_cpu']:.1f} | {r['floor_cpu']:.1f} |")
     peer_rows = [(r, p, m) for r in res.get("rows", []) for p, m in r["peers"].items()]
     if peer_rows:
@@ -443,8 +454,11 @@ def main(argv=None):
     if argv and argv[0] == "_qconvert":
         dev = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
         none = "--no-checksums" in argv
+        layout = argv[argv.index("--layout") + 1] if "--layout" in argv else None
+        mode = argv[argv.index("--input-scale") + 1] if "--input-scale" in argv and argv[1] == "nvfp4" else None
         qconvert_main(argv[1], argv[2], argv[3], "--fsync" in argv, dev,
-                      source_checksums=not none and "--no-source-checksums" not in argv, output_checksums=not none)
+                      source_checksums=not none and "--no-source-checksums" not in argv, output_checksums=not none,
+                      layout=layout, input_mode=mode)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/qconvert-bench", help="scratch directory (synthetic input and outputs)")

@@ -110,7 +110,7 @@ def quantize_step(results, copy_bw):
     tk = ck.available(DEV)
 
     def nv_with_amax(x, recipe):  # the pipeline's whole NVFP4 step: global amax pass, then the kernel
-        from qconvert.convert.pipeline import _abs_max
+        from qconvert.convert.kernels import abs_max as _abs_max
         return nv.nvfp4_quantize(x, global_amax=_abs_max(x).float(), recipe=recipe, blocks_fn=ck.nvfp4_blocks)
 
     comp = "compile (QCONVERT_CUDA_QUANTIZER=compile)"

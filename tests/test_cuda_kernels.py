@@ -106,7 +106,7 @@ def test_pinned_reads_and_copies_back(tmp_path):
     oracle: safetensors' own loader), and device outputs come back page-locked and equal."""
     from safetensors.torch import load_file, save_file
 
-    from qconvert.convert.pipeline import _to_host
+    from qconvert.convert.runner import to_host as _to_host
     from qconvert.convert.safetensors_io import ShardReader, read_header
 
     g = torch.Generator().manual_seed(5)

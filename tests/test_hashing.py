@@ -87,7 +87,7 @@ def test_hashing_writer_digest_for_any_arrival_order(tmp_path):
 
     import torch
 
-    from qconvert.convert.pipeline import _HashingWriter
+    from qconvert.convert.runner import HashingWriter as _HashingWriter
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"t{i}": torch.randint(0, 255, (int(n),), dtype=torch.uint8, generator=g)

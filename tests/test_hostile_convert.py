@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qconvert.convert import pipeline
+from qconvert.convert import kernels, runner
 from qconvert.convert.demo import demo_config, demo_tensors, write_sharded
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.resume import partial_dir
@@ -123,8 +123,8 @@ def test_a_failing_write_exits_1_every_time(src, tmp_path):
 
 
 JOB_FAULT = """
-from qconvert.convert import pipeline as _p
-_real = _p._mxfp8_job
+from qconvert.convert import jobs as _j, kernels as _k
+_real = _j.mxfp8_job
 def _job(tp, *a, **k):
     j = _real(tp, *a, **k)
     if tp.name == {name!r}:
@@ -132,8 +132,8 @@ def _job(tp, *a, **k):
             raise {exc}
         j.fn = boom
     return j
-_p._mxfp8_job = _job
-_p.CPU_WORKERS = 2
+_j.mxfp8_job = _job
+_k.CPU_WORKERS = 2
 """
 
 
@@ -212,7 +212,7 @@ def test_no_thread_outlives_a_failed_conversion(nan_src, tmp_path, scheme, monke
     when convert() raises: one left running at exit is what aborted the process."""
     before = _live_threads()
     for workers in (1, 2):
-        monkeypatch.setattr(pipeline, "CPU_WORKERS", workers)
+        monkeypatch.setattr(kernels, "CPU_WORKERS", workers)
         with pytest.raises(CheckpointError, match="NaN or Inf"):
             convert(str(nan_src), tmp_path / f"o{workers}", scheme,
                     ConvertOptions(scheme=scheme, progress=False, fsync=False))
@@ -221,9 +221,9 @@ def test_no_thread_outlives_a_failed_conversion(nan_src, tmp_path, scheme, monke
 
 def test_no_thread_outlives_an_interrupted_conversion(src, tmp_path, monkeypatch):
     """KeyboardInterrupt raised in the calling thread while jobs run: every thread joined."""
-    monkeypatch.setattr(pipeline, "CPU_WORKERS", 2)
+    monkeypatch.setattr(kernels, "CPU_WORKERS", 2)
     before = _live_threads()
-    real_get = pipeline.queue.Queue.get
+    real_get = runner.queue.Queue.get
     calls = [0]
 
     def get(self, *a, **k):
@@ -233,7 +233,7 @@ def test_no_thread_outlives_an_interrupted_conversion(src, tmp_path, monkeypatch
                 raise KeyboardInterrupt
         return real_get(self, *a, **k)
 
-    monkeypatch.setattr(pipeline.queue.Queue, "get", get)
+    monkeypatch.setattr(runner.queue.Queue, "get", get)
     with pytest.raises(KeyboardInterrupt):
         convert(str(src), tmp_path / "o", "mxfp8", ConvertOptions(progress=False, fsync=False))
     assert _live_threads() - before == set()

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from qconvert.cli import main
-from qconvert.convert import pipeline
+from qconvert.convert import destination, pipeline
 
 TIMEOUT_S = 60  # a case that blocks (a FIFO opened for reading) fails instead of hanging the run
 
@@ -378,13 +378,13 @@ def test_failed_install_restores_the_old_dst_and_keeps_a_resumable_partial(demo_
             raise OSError(28, "No space left on device")
         return real_rename(a, b)
 
-    monkeypatch.setattr(pipeline.os, "rename", failing_rename)
+    monkeypatch.setattr(destination.os, "rename", failing_rename)
     r, out = cli("mxfp8", demo_dense, dst, "--force", "--no-progress")
     assert r.exit_code == 1 and "cannot move the finished output into place" in out, out
     assert sorted(p.name for p in dst.iterdir()) == ["old.txt"]
     assert (dst / "old.txt").read_text() == "the previous conversion"
     assert not any(".qconvert-old-" in p.name for p in tmp_path.iterdir())
-    monkeypatch.setattr(pipeline.os, "rename", real_rename)
+    monkeypatch.setattr(destination.os, "rename", real_rename)
     r, out = cli("mxfp8", demo_dense, dst, "--force", "--no-progress", "--resume")
     assert r.exit_code == 0, out
     n = len(list(demo_dense.glob("*.safetensors")))
@@ -398,14 +398,14 @@ def test_writer_lock_is_held_until_dst_is_in_place(demo_dense, tmp_path, monkeyp
 
     dst = tmp_path / "out"
     seen = {}
-    real_install = pipeline._install
+    real_install = destination.install
 
     def install_with_a_rival(tmp, d, force=True):
         r, out = cli("mxfp8", demo_dense, d, "--no-progress", "--resume")
         seen["rival"] = (r.exit_code, out, sorted(p.name for p in tmp.iterdir()))
         return real_install(tmp, d, force)
 
-    monkeypatch.setattr(pipeline, "_install", install_with_a_rival)
+    monkeypatch.setattr(destination, "install", install_with_a_rival)
     r, out = cli("mxfp8", demo_dense, dst, "--no-progress")
     assert r.exit_code == 0, out
     code, rival_out, files_then = seen["rival"]
@@ -521,7 +521,7 @@ def test_ctrl_c_between_the_install_renames_restores_the_old_dst(demo_dense, tmp
             raise KeyboardInterrupt
         return real_rename(a, b)
 
-    monkeypatch.setattr(pipeline.os, "rename", interrupted_rename)
+    monkeypatch.setattr(destination.os, "rename", interrupted_rename)
     r, out = cli("mxfp8", demo_dense, dst, "--force", "--no-progress")
     assert r.exit_code == 130, out
     assert sorted(p.name for p in dst.iterdir()) == ["old.txt"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qconvert.convert import pipeline
+from qconvert.convert import jobs, kernels
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.convert.safetensors_io import ShardWriter
@@ -24,9 +24,9 @@ def digests(d: Path) -> dict[str, str]:
 
 
 def run(src, dst, scheme, monkeypatch, small_bytes, workers, streams=1) -> dict[str, str]:
-    monkeypatch.setattr(pipeline, "SMALL_JOB_BYTES", small_bytes)
-    monkeypatch.setattr(pipeline, "CPU_WORKERS", workers)
-    monkeypatch.setattr(pipeline, "READ_STREAMS", streams)
+    monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", small_bytes)
+    monkeypatch.setattr(kernels, "CPU_WORKERS", workers)
+    monkeypatch.setattr(kernels, "READ_STREAMS", streams)
     def read_back(self, name, chunk=0):  # the writer reads a tensor back only if it came early
         raise AssertionError(f"{self.path}: {name} reached the writer out of order")
 
@@ -52,8 +52,8 @@ def test_every_mix_of_job_threads_writes_the_same_bytes(demo_moe, tmp_path, monk
 
 
 def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "CPU_WORKERS", 2)
-    real = pipeline._mxfp8_job
+    monkeypatch.setattr(kernels, "CPU_WORKERS", 2)
+    real = jobs.mxfp8_job
 
     def job(tp, *a, **k):
         j = real(tp, *a, **k)
@@ -63,7 +63,7 @@ def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, 
             j.fn = boom
         return j
 
-    monkeypatch.setattr(pipeline, "_mxfp8_job", job)
+    monkeypatch.setattr(jobs, "mxfp8_job", job)
     dst = tmp_path / "never"
     with pytest.raises(CheckpointError, match="experts.3.up_proj.weight'.*injected failure"):
         convert(str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False))
@@ -77,9 +77,9 @@ def test_a_full_read_budget_does_not_stall_job_threads(demo_moe, tmp_path, monke
     import threading
     import time
 
-    monkeypatch.setattr(pipeline, "CPU_WORKERS", 2)
-    monkeypatch.setattr(pipeline, "SMALL_JOB_BYTES", 1 << 40)
-    real = pipeline._mxfp8_job
+    monkeypatch.setattr(kernels, "CPU_WORKERS", 2)
+    monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 1 << 40)
+    real = jobs.mxfp8_job
 
     def job(*a, **k):  # slow enough that no job is finished when its submitter first looks
         j = real(*a, **k)
@@ -87,7 +87,7 @@ def test_a_full_read_budget_does_not_stall_job_threads(demo_moe, tmp_path, monke
         j.fn = lambda src: (time.sleep(0.02), fn(src))[1]
         return j
 
-    monkeypatch.setattr(pipeline, "_mxfp8_job", job)
+    monkeypatch.setattr(jobs, "mxfp8_job", job)
     dst = tmp_path / "q"
     out: list = []
     t = threading.Thread(target=lambda: out.append(convert(
@@ -97,6 +97,6 @@ def test_a_full_read_budget_does_not_stall_job_threads(demo_moe, tmp_path, monke
     assert not t.is_alive(), "conversion stalled with the read budget full"
     assert out and out[0].n_quantized > 0
     ref = tmp_path / "ref"
-    monkeypatch.setattr(pipeline, "_mxfp8_job", real)
+    monkeypatch.setattr(jobs, "mxfp8_job", real)
     convert(str(demo_moe), ref, "mxfp8", ConvertOptions(progress=False, fsync=False))
     assert digests(dst) == digests(ref)

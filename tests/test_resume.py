@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from qconvert.cli import main
-from qconvert.convert import pipeline
+from qconvert.convert import runner
 from qconvert.convert.demo import build_demo_model
 from qconvert.convert.resume import JOURNAL_NAME, partial_dir
 from qconvert.convert.safetensors_io import ShardReader
@@ -128,7 +128,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(src, reference, 
 def _interrupt_after(monkeypatch, n_closed: int):
     """Raise KeyboardInterrupt (as Ctrl-C would) once ``n_closed`` output shards are complete."""
     closed = [0]
-    real_close = pipeline._HashingWriter.close
+    real_close = runner.HashingWriter.close
 
     def close(self, fsync):
         if closed[0] >= n_closed:
@@ -144,7 +144,7 @@ def _interrupt_after(monkeypatch, n_closed: int):
             raise KeyboardInterrupt
         closed[0] += 1
         return real_close(self, fsync)
-    monkeypatch.setattr(pipeline._HashingWriter, "close", close)
+    monkeypatch.setattr(runner.HashingWriter, "close", close)
 
 
 def test_resume_keeps_verified_shards_skips_their_input_and_redoes_corrupt_ones(src, reference, tmp_path, monkeypatch):

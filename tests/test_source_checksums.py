@@ -15,7 +15,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from qconvert.cli import main
-from qconvert.convert import pipeline
+from qconvert.convert import runner
 from qconvert.convert.safetensors_io import hub_cache_sha256, local_dir_sha256
 from qconvert.verify import verify
 
@@ -53,20 +53,20 @@ def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
 def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_path, monkeypatch):
     run("mxfp8", demo_dense, tmp_path / "a")
     hashed = []
-    real_sha = pipeline.BackgroundSha256
+    real_sha = runner.BackgroundSha256
 
     class Counting(real_sha):
         def update(self, buf):
             hashed.append(memoryview(buf).nbytes)
             super().update(buf)
-    monkeypatch.setattr(pipeline, "BackgroundSha256", Counting)
-    real_reader = pipeline.ShardReader
+    monkeypatch.setattr(runner, "BackgroundSha256", Counting)
+    real_reader = runner.ShardReader
     reads = []
 
     def reader(h, hash_file=True, **kw):
         reads.append(hash_file)
         return real_reader(h, hash_file=hash_file, **kw)
-    monkeypatch.setattr(pipeline, "ShardReader", reader)
+    monkeypatch.setattr(runner, "ShardReader", reader)
     run("mxfp8", demo_dense, tmp_path / "b", "--no-checksums")
     assert hashed == [] and reads and not any(reads)  # not one byte hashed, in or out
     a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
@@ -91,13 +91,13 @@ def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_
 
 def test_a_source_shard_that_cannot_be_hashed_is_named_and_nothing_is_written(demo_moe, tmp_path, monkeypatch):
     bad = sorted(demo_moe.glob("*.safetensors"))[-1]
-    real_sha256_file = pipeline.sha256_file
+    real_sha256_file = runner.sha256_file
 
     def sha256_file(path, **kw):
         if Path(path).name == bad.name:
             raise OSError(5, "Input/output error")
         return real_sha256_file(path, **kw)
-    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
+    monkeypatch.setattr(runner, "sha256_file", sha256_file)
     r = CliRunner().invoke(main, ["mxfp8", str(demo_moe), str(tmp_path / "out"), "--no-progress"])
     assert r.exit_code == 1, r.output
     assert str(bad) in r.output and "Input/output error" in r.output, r.output
@@ -132,20 +132,20 @@ def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeyp
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     hashed = []
-    real_reader = pipeline.ShardReader
+    real_reader = runner.ShardReader
 
     def reader(h, hash_file=True, **kw):
         hashed.append((h.path.name, hash_file))
         return real_reader(h, hash_file=hash_file, **kw)
 
-    monkeypatch.setattr(pipeline, "ShardReader", reader)
+    monkeypatch.setattr(runner, "ShardReader", reader)
     files_hashed = []
-    real_sha256_file = pipeline.sha256_file
+    real_sha256_file = runner.sha256_file
 
     def sha256_file(path, **kw):
         files_hashed.append(path)
         return real_sha256_file(path, **kw)
-    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
+    monkeypatch.setattr(runner, "sha256_file", sha256_file)
     run("mxfp8", "acme/tiny", tmp_path / "out")
     src = manifest(tmp_path / "out")["source"]
     assert src["sha256"] == {p.name: sha(p) for p in snap.glob("*.safetensors")}
@@ -216,12 +216,12 @@ def test_local_dir_download_records_save_the_source_digests(demo_dense, tmp_path
         os.utime(p, (1e9, 1e9))
         write_download_metadata(local, p.name, "0" * 40, sha(p))
     files_hashed = []
-    real_sha256_file = pipeline.sha256_file
+    real_sha256_file = runner.sha256_file
 
     def sha256_file(path, **kw):
         files_hashed.append(Path(path).name)
         return real_sha256_file(path, **kw)
-    monkeypatch.setattr(pipeline, "sha256_file", sha256_file)
+    monkeypatch.setattr(runner, "sha256_file", sha256_file)
     run("mxfp8", local, tmp_path / "a", "--no-progress")
     assert manifest(tmp_path / "a")["source"]["sha256"] == {p.name: sha(p) for p in shards}
     assert files_hashed == []

@@ -23,7 +23,7 @@ from .safetensors_io import ShardReader, ShardWriter, read_header, sha256_file
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
     from .checkpoint import guard, read_member_json
-    from .pipeline import _check_dst, _install
+    from .destination import check_dst as _check_dst, install as _install
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
     _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it

@@ -10,7 +10,7 @@ memory layer by layer, and reload them into running servers.
 * **Same plan, names and scales as the converter.** The plan is built by the converter's own
   ``build_plan`` from the reference checkpoint's tensor inventory (names, dtypes, shapes; only
   headers are read) and ``config.json``, and every output tensor is produced by the converter's own
-  job functions (``pipeline.build_jobs``: same exclusions, same fused-group global scales for
+  job functions (``jobs.build_jobs``: same exclusions, same fused-group global scales for
   NVFP4, same dialect names); ``config.json`` gets the converter's ``quantization_config``. So the
   staged bytes equal ``qconvert`` converting the same weights from disk (tested).
 * **Layer by layer.** Tensors are buffered per decoder layer; when every tensor of a layer has
@@ -43,19 +43,6 @@ class RefitResult:
     reload: list = field(default_factory=list)
     tensors_in: int = 0
     tensors_out: int = 0
-
-
-@dataclass(frozen=True)
-class _Entry:
-    dtype: str
-    shape: tuple
-
-
-class _Inventory:
-    """What ``pipeline.build_jobs`` reads from a checkpoint: ``tensors[name].dtype``."""
-
-    def __init__(self, tensors: dict[str, _Entry]):
-        self.tensors = tensors
 
 
 def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, tuple[str, tuple]]]:
@@ -97,7 +84,7 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
     config, inv = reference_inventory(reference)
     plan = build_plan(inv, config, opts.plan)
     dialect = dialects.resolve_dialect(scheme, opts.dialect)
-    jobs = build_jobs(_Inventory({n: _Entry(d, s) for n, (d, s) in inv.items()}), plan, scheme, dialect, opts)
+    jobs = build_jobs(plan, scheme, dialect, opts).jobs  # the plan holds each tensor's dtype and shape
 
     # which jobs each layer group needs, and which source tensors complete it
     group_jobs: dict[tuple, list] = {}

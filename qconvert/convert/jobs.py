@@ -1,0 +1,402 @@
+"""Every job a conversion runs: one per output group (a kept tensor, an MXFP8 tensor, an NVFP4
+fused group, an MoE layer written in a kernel layout), each turning source tensors into output
+tensors whose names, dtypes and shapes are known before any byte is read.
+
+:func:`build_jobs` decides the jobs of a plan and returns them with what it decided
+(:class:`BuiltJobs`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, QConvertError
+from . import dialects, kernels
+from .checkpoint import Checkpoint
+from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
+from .layouts import trtllm
+from .numerics import cpu_kernels
+from .numerics.mxfp8 import mxfp8_quantize
+from .options import ConvertOptions, PlanRow
+from .plan import KEEP, QUANTIZE, Plan
+from .safetensors_io import ShardReader
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+@dataclass
+class Job:
+    """Turns source tensors into output tensors; ``outputs`` is known before any byte is read."""
+    sources: list[str]
+    outputs: list[dialects.OutTensor]
+    fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    fmt: str
+    device_input: bool = False  # the reader thread moves its sources to opts.device (CUDA overlap)
+
+
+@dataclass
+class BuiltJobs:
+    """What :func:`build_jobs` decided: the jobs, and the scheme of each MoE layer written in a
+    kernel layout (HF experts prefix -> scheme; empty without ``--layout``)."""
+    jobs: list[Job]
+    layout_layers: dict[str, str] = field(default_factory=dict)
+
+
+def non_finite_error(name: str) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise :func:`non_finite_error` if ``t`` holds NaN or +-Inf (one pass, see kernels.all_finite)."""
+    if t.is_floating_point() and t.numel() and not kernels.all_finite(t):
+        raise non_finite_error(name)
+
+
+def quantize_mxfp8(name: str, x: torch.Tensor, check: bool, blocks_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP8 step of every job: ``x`` (source tensor ``name``, on its device) quantized on this
+    thread's workers (kernels.workers) through ``blocks_fn`` (kernels.blocks_fn), and, with
+    ``check``, a NaN/Inf check for free: such a block gets the scale byte 255, which nothing else
+    does."""
+    q, s = mxfp8_quantize(x, workers=kernels.workers(), blocks_fn=blocks_fn)
+    if check and bool((s == 255).any()):
+        raise non_finite_error(name)
+    return q, s
+
+
+def quantize_nvfp4_group(xs: dict[str, torch.Tensor], check: bool, recipe: str, blocks_fn):
+    """The NVFP4 step of every job: the members of one fused group (source name -> tensor on its
+    device) share one global scale, the max amax over the group. Returns ``(g, {name: (packed,
+    block scale, scale_2)})``; ``g`` is a numpy fp32 scalar where the CPU kernels ran, else a
+    0-dim fp32 tensor. With ``check``, a member holding NaN/Inf raises (naming it)."""
+    from .numerics.nvfp4 import nvfp4_quantize
+
+    if all(cpu_kernels.usable(x) for x in xs.values()):  # fp32 scalars in numpy, not 0-dim tensors
+        amaxes = {n: cpu_kernels.abs_max_f32(x, kernels.workers()) for n, x in xs.items()}
+        g = np.max(np.array(list(amaxes.values()), dtype=np.float32))  # NaN propagates
+        finite = bool(np.isfinite(g))
+    else:
+        amaxes = {n: kernels.abs_max(x).float() for n, x in xs.items()}
+        g = torch.stack(list(amaxes.values())).amax()
+        finite = bool(torch.isfinite(g))
+    if check and not finite:
+        raise non_finite_error(next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a)))))
+    return g, {n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
+               for n, x in xs.items()}
+
+
+def keep_job(name: str, dtype: torch.dtype, shape: tuple, check: bool) -> Job:
+    def fn(src):
+        t = src[name]
+        if check:
+            check_finite(name, t)
+        return {name: t}
+    return Job([name], [dialects.OutTensor(name, dtype, tuple(shape), "bf16")], fn, "bf16")
+
+
+def mxfp8_job(tp, dialect: str, device: str, check: bool) -> Job:
+    outs = dialects.mxfp8_out_tensors(tp.module, tp.shape, dialect)
+    blocks_fn = kernels.blocks_fn("mxfp8", device)
+
+    def fn(src):
+        x = src[tp.name]
+        if device != "cpu":
+            x = x.to(device, non_blocking=True)
+        q, s = quantize_mxfp8(tp.name, x, check, blocks_fn)
+        return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
+    return Job([tp.name], outs, fn, "mxfp8", device_input=device != "cpu")
+
+
+def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: dict | None, check: bool) -> Job:
+    """One job per fused group: members share one global scale (max amax over the group)."""
+    outs_of = {tp.name: dialects.nvfp4_out_tensors(tp.module, tp.shape, dialect, opts.input_mode) for tp in members}
+    device = opts.device
+    blocks_fn = kernels.blocks_fn("nvfp4", device)
+
+    def fn(src):
+        xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
+        g, quantized = quantize_nvfp4_group(xs, check, opts.recipe, blocks_fn)
+        result = {}
+        for n, (packed, scale, scale_2) in quantized.items():
+            outs = outs_of[n]
+            mod = n[: -len(".weight")]
+            result[outs[0].name] = packed  # the writer thread copies device tensors back
+            result[outs[1].name] = scale
+            if dialect == "modelopt":
+                result[outs[2].name] = scale_2.cpu().reshape(())
+            else:
+                # encode convention: S_enc = 2688/g (fp32), clamped at FLT_MAX as TE does (tiny g)
+                gf = np.float32(float(g))
+                with np.errstate(all="ignore"):
+                    enc = np.minimum(np.float32(2688.0) / gf, _F32_MAX) if gf > 0 else np.float32(1.0)
+                result[outs[2].name] = torch.tensor([enc], dtype=torch.float32)
+            if len(outs) > 3:
+                dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
+                result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
+        return result
+    return Job([tp.name for tp in members], [o for tp in members for o in outs_of[tp.name]], fn, "nvfp4",
+               device_input=device != "cpu")
+
+
+def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
+    """Calibrated activation scales (decode convention) from an existing NVFP4 checkpoint."""
+    from .safetensors_io import read_header
+    root = Path(path).expanduser()
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
+    found: dict[str, torch.Tensor] = {}
+    from .checkpoint import guard
+    for f in files:
+        h = read_header(guard(root, f))  # inside that checkpoint, a regular file
+        names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
+        if not names:
+            continue
+        with ShardReader(h, hash_file=False) as r:
+            for n in names:
+                e = h.entries[n]
+                if e.dtype not in ("F32", "BF16", "F16") or len(e.shape) > 1 or (e.shape and e.shape[0] != 1):
+                    raise CheckpointError(f"{f}: tensor {n!r} has dtype {e.dtype} shape {list(e.shape)}; expected a scalar fp32 input scale")
+                v = r.read(n).float().reshape(())
+                if n.endswith(".input_global_scale"):
+                    mod, v = n[: -len(".input_global_scale")], 1.0 / v
+                else:
+                    mod = n[: -len(".input_scale")]
+                if not bool(torch.isfinite(v)) or not bool(v > 0):
+                    raise CheckpointError(f"{f}: input scale {n!r} is {v.item()}; expected a finite positive value")
+                found[mod] = v
+    if not found:
+        raise CheckpointError(f"{root}: holds no input_scale / input_global_scale tensors; it is not a W4A4 NVFP4 checkpoint")
+    missing = [m for m in modules if m not in found]
+    if missing:
+        raise CheckpointError(f"{root}: no input scale for {missing[0]!r} ({len(missing)} of {len(modules)} modules missing); "
+                              "the checkpoints differ in architecture or exclusions")
+    return {m: found[m] for m in modules}
+
+
+def build_jobs(plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> BuiltJobs:
+    """The jobs of ``plan``: every tensor of the plan's inventory (its dtype tag and shape are all
+    a job needs, so a checkpoint's header or a trainer's tensor list serve alike), one job per
+    output group. ``scheme`` is ``opts.scheme``."""
+    from .safetensors_io import DTYPES
+    jobs = []
+    check = not opts.allow_non_finite
+    input_scales = None
+    if scheme == "nvfp4":
+        if opts.input_mode not in dialects.NVFP4_INPUT_MODES:
+            raise QConvertError(f"unknown input-scale mode {opts.input_mode!r}")
+        if opts.input_mode == "copied":
+            if not opts.input_scales_from:
+                raise QConvertError("input mode 'copied' needs --input-scales-from CKPT")
+            input_scales = load_input_scales(opts.input_scales_from, [t.module for t in plan.quantized])
+    groups: dict[str, list] = {}
+    in_layout: set[str] = set()
+    layout_layers: dict[str, str] = {}
+    if opts.layout:
+        if opts.layout != "flashinfer-trtllm":
+            raise QConvertError(f"unknown layout {opts.layout!r}; the only layout is flashinfer-trtllm")
+        layers = expert_layers(plan)
+        if not layers:
+            raise QConvertError("--layout flashinfer-trtllm: this model has no MoE experts to pre-shuffle")
+        for prefix, members in layers.items():
+            acts = {t.action for t in members}
+            lscheme = scheme if acts == {QUANTIZE} else "bf16"
+            layout_layers[prefix] = lscheme
+            jobs.append(moe_layer_job(prefix, members, lscheme, opts.engine, opts.tp, opts.ep, opts, input_scales))
+            in_layout |= {t.name for t in members}
+    for name, tp in plan.tensors.items():
+        if name in in_layout:
+            continue
+        if tp.action == KEEP:
+            jobs.append(keep_job(name, DTYPES[tp.dtype][0], tp.shape, check))
+        elif scheme == "mxfp8":
+            jobs.append(mxfp8_job(tp, dialect, opts.device, check))
+        elif scheme == "nvfp4":
+            if tp.group:
+                groups.setdefault(tp.group, []).append(tp)
+            else:
+                jobs.append(nvfp4_group_job([tp], dialect, opts, input_scales, check))
+        else:
+            raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    for members in groups.values():
+        jobs.append(nvfp4_group_job(members, dialect, opts, input_scales, check))
+    return BuiltJobs(jobs, layout_layers)
+
+
+def out_nbytes(o: dialects.OutTensor) -> int:
+    n = 1
+    for d in o.shape:
+        n *= d
+    return n * o.dtype.itemsize  # (a torch.tensor([]) per output cost 16 us: 0.4 s per 8-layer model)
+
+
+def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
+    entries = ckpt.tensors
+    rows = []
+    for j in jobs:
+        tp = plan.tensors[j.sources[0]]
+        rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
+                            sum(entries[s].nbytes for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
+                            tuple(j.sources)))
+    return rows
+
+
+def source_for_outputs(j: Job) -> list[str]:
+    """Source name per output: outputs named after a source module stay in that source's shard."""
+    out = []
+    for o in j.outputs:
+        best = j.sources[0]
+        for s in j.sources:
+            mod = s[: -len(".weight")] if s.endswith(".weight") else s
+            if o.name == s or o.name.startswith(mod + "."):
+                best = s
+                break
+        out.append(best)
+    return out
+
+
+
+def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int, ep: int, opts,
+                  input_scales: dict | None) -> Job:
+    """A pipeline Job for one MoE layer. ``scheme`` is this layer's format (bf16 for kept layers)."""
+    experts: dict[int, dict[str, object]] = {}
+    for t in members:
+        m = EXPERT_NAME.match(t.name)
+        experts.setdefault(int(m.group("e")), {})[m.group("proj")] = t
+    n_exp = len(experts)
+    if sorted(experts) != list(range(n_exp)) or any(len(v) != 3 for v in experts.values()):
+        raise CheckpointError(f"{prefix}: experts are not numbered 0..{n_exp - 1} with gate/up/down each")
+    i, h = experts[0]["gate_proj"].shape
+    w4a4 = scheme == "nvfp4"
+    if scheme == "nvfp4" and opts.input_mode == "weight-only":
+        raise QConvertError("--layout flashinfer-trtllm with NVFP4 needs activation scales (the TRT-LLM NVFP4 MoE "
+                            "kernels are W4A4): add --input-scale unit or --input-scales-from CKPT")
+    try:
+        specs = rank_specs(scheme, engine, n_exp, i, h, tp, ep, w4a4)
+    except trtllm.LayoutError as e:
+        msg = str(e)
+        if "--tp" not in msg and (tp > 1 or ep > 1):
+            msg += f" (with --tp {tp} --ep {ep}: try a smaller --tp)"
+        raise trtllm.LayoutError(f"{prefix}: {msg}") from None
+    if sorted(specs) != [(r, q) for r in range(tp) for q in range(ep)] or not all(specs.values()):
+        # every rank, each with tensors: the layer's experts are replaced by these outputs only
+        raise trtllm.LayoutError(f"{prefix}: internal: ranks {sorted(specs)} for --tp {tp} --ep {ep}; "
+                                 "no expert tensor may be dropped")
+    outputs = []
+    for (r, q), params in specs.items():
+        tag = rank_tag(r, q, tp, ep)
+        for name, dtype, shape in params:
+            outputs.append(dialects.OutTensor(f"{prefix}.{tag}.{name}", dtype, shape, "layout"))
+    order = [experts[e][p].name for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")]
+    check = not opts.allow_non_finite
+    device = opts.device
+    blocks_fn = kernels.blocks_fn(scheme, device) if scheme != "bf16" else None
+    per_rank = n_exp // ep
+    # NVFP4's per-rank scalars (a max over the rank's experts); every other output is per expert
+    scalars = set(trtllm.nvfp4_scalars(engine, torch.ones(1, 2), torch.ones(1), torch.ones(1, 2), torch.ones(1))
+                  ) if scheme == "nvfp4" else set()
+
+    def get(src, e, p):
+        x = src[experts[e][p].name]
+        return x.to(device, non_blocking=True) if device != "cpu" else x
+
+    def stack13(pairs):
+        return torch.stack([torch.cat([a, b]) for a, b in pairs])
+
+    def plain_of(src, es: range) -> dict[str, torch.Tensor]:
+        """The plain stacked tensors of experts ``es``. Each expert matrix is checked and quantized
+        alone, by the helpers every job uses (same kernels, threads and NaN/Inf checks as the plain
+        jobs), then stacked: quantization is row-local, so quantize(cat(gate, up)) ==
+        cat(quantize(gate), quantize(up)) byte for byte."""
+        if scheme == "bf16":
+            if check:
+                for e in es:
+                    for p in ("gate_proj", "up_proj", "down_proj"):
+                        check_finite(experts[e][p].name, src[experts[e][p].name])
+            return {"w13_weight": stack13([(get(src, e, "gate_proj"), get(src, e, "up_proj")) for e in es]),
+                    "w2_weight": torch.stack([get(src, e, "down_proj") for e in es])}
+        if scheme == "mxfp8":
+            q = {(e, p): quantize_mxfp8(experts[e][p].name, get(src, e, p), check, blocks_fn)
+                 for e in es for p in ("gate_proj", "up_proj", "down_proj")}
+            return {"w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in es]),
+                    "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in es]),
+                    "w2_weight": torch.stack([q[e, "down_proj"][0] for e in es]),
+                    "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in es])}
+        p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
+        for e in es:  # gate and up of each expert share one global scale
+            gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
+            _, qgu = quantize_nvfp4_group({gate: get(src, e, "gate_proj"), up: get(src, e, "up_proj")}, check,
+                                          opts.recipe, blocks_fn)
+            p13.append(torch.cat([qgu[gate][0], qgu[up][0]]))
+            s13.append(torch.cat([qgu[gate][1], qgu[up][1]]))
+            ws13.append(qgu[gate][2])
+            _, qd = quantize_nvfp4_group({down: get(src, e, "down_proj")}, check, opts.recipe, blocks_fn)
+            p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
+        ws13_t = torch.stack(ws13)
+        if input_scales is not None:
+            a13 = torch.stack([torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")])
+                               for e in es])
+            a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in es])
+        else:
+            a13, a2 = torch.ones(len(es), 2), torch.ones(len(es))
+        dev = p13[0].device
+        return {"w13_weight": torch.stack(p13), "w13_weight_scale": torch.stack(s13),
+                "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1), "w2_weight": torch.stack(p2),
+                "w2_weight_scale": torch.stack(s2), "w2_weight_scale_2": torch.stack(ws2),
+                "w13_input_scale": a13.to(dev), "w2_input_scale": a2.to(dev)}
+
+    def fn(src):
+        # Experts are laid out chunk by chunk (the layout moves rows within each expert; only
+        # NVFP4's scalars span a rank's experts), each chunk into its slice of the outputs, the
+        # chunks side by side on all cores (CPU), as the plain jobs run one per core.
+        out = {rq: {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in params if name not in scalars}
+               for rq, params in specs.items()}
+        per_expert = {"w13_weight_scale_2": (n_exp, 2), "w2_weight_scale_2": (n_exp,), "w13_input_scale": (n_exp, 2),
+                      "w2_input_scale": (n_exp,)} if scalars else {}
+        nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}
+
+        def chunk(c0: int, c1: int):
+            q, base = c0 // per_rank, (c0 // per_rank) * per_rank
+            plain = plain_of(src, range(c0, c1))
+            for k in nv:
+                nv[k][c0:c1].copy_(plain[k])
+            for (r, _), params in trtllm.transform_moe_layer(plain, scheme, engine, tp=tp, ep=1).items():
+                for name, t in params.items():
+                    if name not in scalars:
+                        out[(r, q)][name][c0 - base:c1 - base].copy_(t)
+
+        parallel = device == "cpu" and kernels.workers() > 1
+        size = max(1, -(-n_exp // (2 * kernels.workers()))) if parallel else per_rank
+        run_all(chunk, [(c0, min(c0 + size, q * per_rank + per_rank)) for q in range(ep)
+                        for c0 in range(q * per_rank, (q + 1) * per_rank, size)], parallel)
+        for (r, q) in out:
+            if scalars:
+                e0, e1 = q * per_rank, (q + 1) * per_rank
+                out[(r, q)].update(trtllm.nvfp4_scalars(engine, *(nv[k][e0:e1] for k in per_expert)))
+        return {f"{prefix}.{rank_tag(r, q, tp, ep)}.{name}": t.contiguous() for (r, q), params in out.items()
+                for name, t in params.items()}
+
+    return Job(order, outputs, fn, f"{scheme}+trtllm")
+
+
+def run_all(fn, args: list[tuple], parallel: bool) -> None:
+    """``fn(*a)`` for each ``a`` of ``args``: here one after the other, or with ``parallel`` on
+    one thread per core (kernels.workers), each quantizing single-threaded, as job threads do.
+    The first exception (in ``args`` order) is raised once every started call has ended."""
+    if not parallel or len(args) < 2:
+        for a in args:
+            fn(*a)
+        return
+    pool = ThreadPoolExecutor(min(kernels.workers(), len(args)), thread_name_prefix="qconvert-layout",
+                              initializer=kernels.single_threaded_job_thread)
+    try:
+        futures = [pool.submit(fn, *a) for a in args]
+        for f in futures:
+            f.result()
+    finally:
+        kernels.settle([lambda: pool.shutdown(wait=True, cancel_futures=True)])
