@@ -416,6 +416,12 @@ class InspectReport:
     engines: list[EngineSupport]
     notes: list[str]
     problems: list[str]
+    #: NVFP4 only: "W4A16" (no activation scales), "W4A4" (every quantized module has one) or
+    #: "mixed", read from the tensors (a pre-shuffled layout is W4A4: its kernels need the scales)
+    activations: str | None = None
+    #: the quantization recipe qconvert.json records ("rceil"; NVFP4 "te" or "modelopt"); None when
+    #: the checkpoint has no qconvert manifest (the bytes alone cannot tell the recipe)
+    recipe: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -497,9 +503,23 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
         "shards": [h.path.name for h in ck.shards],
     }
     engines = engine_support(det.scheme, det.dialect, moe, layouts[0] if layouts else None)
+    recipe = ck.manifest.get("recipe") if ck.manifest and det.producer == "qconvert" else None
     return InspectReport(str(ck.root), det.scheme, det.dialect, det.producer, det.quant_method, archs[0], moe,
                          layouts, sorted(mods.values(), key=lambda m: _natural(m.name)), totals,
-                         det.exclusion_keys, engines, notes, ck.problems)
+                         det.exclusion_keys, engines, notes, ck.problems,
+                         nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
+                         recipe if isinstance(recipe, str) else None)
+
+
+def nvfp4_activations(mods: dict[str, Module], layouts: list[dict]) -> str | None:
+    """W4A16 / W4A4 / mixed from the NVFP4 modules' tensors (see :attr:`InspectReport.activations`)."""
+    if layouts:
+        return "W4A4"
+    fp4 = [m for m in mods.values() if m.format == "nvfp4"]
+    if not fp4:
+        return None
+    with_scale = sum(1 for m in fp4 if "input_scale" in m.tensors or "input_global_scale" in m.tensors)
+    return "W4A16" if with_scale == 0 else "W4A4" if with_scale == len(fp4) else "mixed"
 
 
 def fmt_bytes(n: float) -> str:
@@ -523,12 +543,18 @@ def format_report(r: InspectReport, limit: int | None = None) -> str:
     lines.append("")
     fmt = r.scheme if r.scheme != "unknown" else "unknown"
     lines.append(f"checkpoint : {r.path}")
-    lines.append(f"format     : {fmt} ({r.dialect} dialect, written by {r.producer}"
+    lines.append(f"format     : {fmt}" + (f" {r.activations}" if r.activations else "")
+                 + f" ({r.dialect} dialect, written by {r.producer}"
                  + (f", quant_method {r.quant_method!r}" if r.quant_method else "") + ")")
+    if r.scheme in ("mxfp8", "nvfp4"):
+        lines.append(f"recipe     : {r.recipe}" if r.recipe else
+                     "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)")
     lines.append(f"model      : {r.architecture}" + (" (MoE)" if r.moe else ""))
     for lay in r.layouts:
         lines.append(f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "
                      f"({lay.get('scheme')}, tp={lay.get('tp')}, ep={lay.get('ep')}, FlashInfer {lay.get('flashinfer_version')})")
+    if not r.layouts:
+        lines.append("layout     : plain (per-expert tensors, as the engines' stock loaders read them)")
     by = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in t["bytes_by_format"].items())
     lines.append(f"modules    : {t['modules']} ({t['quantized_modules']} quantized), {t['tensors']} tensors in {len(t['shards'])} shard(s)")
     lines.append(f"size       : {fmt_bytes(t['bytes'])} ({by})")

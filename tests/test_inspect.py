@@ -248,3 +248,27 @@ def test_inspect_cli_json_and_table(demo):
     assert "x smaller" in res.output
     res = CliRunner().invoke(main, ["inspect", str(demo["auto"] / "nope")])
     assert res.exit_code == 1 and "not a checkpoint directory" in res.output
+
+
+@pytest.mark.parametrize("dialect", ["modelopt", "compressed-tensors"])
+def test_inspect_says_recipe_and_w4a16_or_w4a4(tmp_path, dialect):
+    """inspect reads W4A16 / W4A4 from the tensors (activation scales present or not) and the recipe
+    from qconvert.json; the table says them, and the layout (plain here)."""
+    src = build_demo_model(tmp_path / "bf16", arch="qwen3")
+    seen = {}
+    for mode, recipe in (("weight-only", "te"), ("unit", "modelopt")):
+        dst = tmp_path / f"{dialect}-{mode}"
+        opts = ConvertOptions(scheme="nvfp4", dialect=dialect, recipe=recipe, input_mode=mode,
+                              plan=PlanOptions(scheme="nvfp4"), progress=False, fsync=False)
+        convert(str(src), dst, "nvfp4", opts)
+        r = inspect_checkpoint(dst)
+        seen[mode] = (r.activations, r.recipe)
+        res = CliRunner().invoke(main, ["inspect", str(dst)])
+        assert res.exit_code == 0, res.output
+        assert f"format     : nvfp4 {r.activations} ({dialect} dialect" in res.output
+        assert f"recipe     : {recipe}" in res.output and "layout     : plain" in res.output
+    assert seen == {"weight-only": ("W4A16", "te"), "unit": ("W4A4", "modelopt")}
+    # without the manifest the recipe cannot be told; the activations still can
+    (tmp_path / f"{dialect}-unit" / "qconvert.json").unlink()
+    r = inspect_checkpoint(tmp_path / f"{dialect}-unit")
+    assert (r.activations, r.recipe) == ("W4A4", None)
