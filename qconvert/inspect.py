@@ -13,6 +13,7 @@ and are shared with ``verify`` and the model card in :mod:`qconvert.hub`.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,15 +94,15 @@ def read_checkpoint(path: str | Path) -> CheckpointFiles:
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
     cfg_path = root / "config.json"
-    if not cfg_path.is_file():
+    if not os.path.lexists(cfg_path):  # present but not a regular file: the guarded read says what it is
         raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
     config = _load_json(cfg_path, "config.json")
-    hqc = _load_json(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG) if (root / HF_QUANT_CONFIG).is_file() else None
-    manifest = _load_json(root / MANIFEST_NAME, MANIFEST_NAME) if (root / MANIFEST_NAME).is_file() else None
+    hqc = _load_json(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG) if os.path.lexists(root / HF_QUANT_CONFIG) else None
+    manifest = _load_json(root / MANIFEST_NAME, MANIFEST_NAME) if os.path.lexists(root / MANIFEST_NAME) else None
     problems: list[str] = []
     index = None
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if os.path.lexists(index_path):
         index = _load_json(index_path, "index")
         wmap = index.get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
@@ -112,7 +113,7 @@ def read_checkpoint(path: str | Path) -> CheckpointFiles:
         on_disk = sorted(p.name for p in root.glob("*.safetensors"))
         for extra in sorted(set(on_disk) - set(files)):
             problems.append(f"{root / extra}: shard not listed in {INDEX_NAME}; engines will not load it — delete it or add it to the index")
-        missing = [rel for rel in files if not (root / rel).is_file()]
+        missing = [rel for rel in files if not os.path.lexists(root / rel)]  # a FIFO or link: guard() below
         if missing:
             raise CheckpointError(f"{root / missing[0]}: shard listed in {INDEX_NAME} is missing; re-run the conversion or re-download")
     else:
