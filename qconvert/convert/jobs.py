@@ -276,6 +276,7 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
     if scheme == "nvfp4" and opts.input_mode == "weight-only":
         raise QConvertError("--layout flashinfer-trtllm with NVFP4 needs activation scales (the TRT-LLM NVFP4 MoE "
                             "kernels are W4A4): add --input-scale unit or --input-scales-from CKPT")
+    trtllm.check_parallel_sizes(tp, ep)
     try:
         specs = rank_specs(scheme, engine, n_exp, i, h, tp, ep, w4a4)
     except trtllm.LayoutError as e:

@@ -133,6 +133,14 @@ class RankShape:
     hp: int
 
 
+def check_parallel_sizes(tp, ep) -> None:
+    """--tp and --ep must be positive integers: 0 once divided by zero, and -1 gave no ranks, so every
+    expert tensor was dropped. Every layout entry point calls this before using them."""
+    for flag, n in (("--tp", tp), ("--ep", ep)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise LayoutError(f"{flag} {n!r}: the parallel size must be a positive integer")
+
+
 def rank_shape(
     scheme: str,
     engine: str,
@@ -146,9 +154,7 @@ def rank_shape(
     """Sizes of one rank's kernel tensors; raises :class:`LayoutError` on impossible shapes."""
     _check(scheme, engine)
     pad = padding or engine_padding(scheme, engine)
-    for flag, n in (("--tp", tp), ("--ep", ep)):  # 0 divided by zero; -1 gave no ranks: experts dropped
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise LayoutError(f"{flag} {n!r}: the parallel size must be a positive integer")
+    check_parallel_sizes(tp, ep)
     if num_experts % ep:
         raise LayoutError(f"{num_experts} experts do not split over --ep {ep}")
     if intermediate_size % tp:
