@@ -260,16 +260,23 @@ def usable(x: torch.Tensor) -> bool:
 def _run_chunks(fn, n: int, workers: int, min_step: int = 4096) -> list:
     """``fn(b0, b1)`` over [0, n) in chunks on ``workers`` threads (the C calls release the GIL);
     the results in chunk order."""
-    from .mxfp8 import _pool
-
     workers = max(1, workers)
     if workers == 1 or n < 2 * min_step:
         return [fn(0, n)]
     step = max(min_step, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
+    return run_all(workers, [(fn, b0, min(n, b0 + step)) for b0 in range(0, n, step)])
+
+
+def run_all(workers: int, calls: list[tuple]) -> list:
+    """Run each ``(fn, *args)`` of ``calls`` on the shared pool of ``workers`` threads and return the
+    results in order. Every call has finished before this returns or raises (Ctrl-C included: see
+    :func:`wait_all`)."""
+    from .mxfp8 import _pool  # the pool the torch-chain chunks share (imported late: mxfp8 imports this module)
+
     futures = []
     try:
-        for b0 in range(0, n, step):
-            futures.append(_pool(workers).submit(fn, b0, min(n, b0 + step)))
+        for fn, *args in calls:
+            futures.append(_pool(workers).submit(fn, *args))
     finally:
         wait_all(futures)
     return [fut.result() for fut in futures]

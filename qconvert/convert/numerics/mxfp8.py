@@ -118,16 +118,10 @@ def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: i
                 return
             _quantize_blocks(xb[i:i + chunk], q[i:i + chunk], s[i:i + chunk], fbuf, abuf)
 
+    from .cpu_kernels import run_all
+
     workers = max(1, workers)
-    futures = []
-    try:  # every chunk has finished before this returns or raises (Ctrl-C included)
-        for _ in range(min(workers, -(-n // chunk))):
-            futures.append(_pool(workers).submit(work))
-    finally:
-        from .cpu_kernels import wait_all
-        wait_all(futures)
-    for fut in futures:
-        fut.result()
+    run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
 
 
 def mxfp8_quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -314,8 +314,6 @@ def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
     as mxfp8.py does: one OpenMP fork/join per small op would cost more than the op."""
     import threading
 
-    from .mxfp8 import _pool
-
     n = xb.shape[0]
     chunk = CPU_CHUNK_BLOCKS
     if n <= SMALL_BLOCKS:
@@ -334,16 +332,10 @@ def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
                 return
             _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
 
+    from .cpu_kernels import run_all
+
     workers = max(1, workers)
-    futures = []
-    try:  # every chunk has finished before this returns or raises (Ctrl-C included)
-        for _ in range(min(workers, -(-n // chunk))):
-            futures.append(_pool(workers).submit(work))
-    finally:
-        from .cpu_kernels import wait_all
-        wait_all(futures)
-    for fut in futures:
-        fut.result()
+    run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
 
 
 def nvfp4_quantize_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
