@@ -271,7 +271,11 @@ def test_nvfp4_error_bound(x, recipe):
     # element saturates at 6 * scale. Small slack for the fp32 reciprocal of the scale.
     bound = seff + (ax - 6 * seff).clamp_min(0) + 1e-6 * ax
     err = (d - x.double()).abs()
-    assert bool((err <= bound).all()), float((err - bound).max())
+    # The same holds per block: where a block's decode scale (block scale x global scale) is an fp32
+    # subnormal, TE's order computes x * (1 / scale) through subnormals and has no such bound
+    # (found by this test: blocks of ~1e-39 beside blocks of ~1e-33). Every other element is held.
+    normal = seff >= torch.finfo(torch.float32).tiny
+    assert bool((err[normal] <= bound[normal]).all()), float((err - bound)[normal].max())
 
 
 @settings(max_examples=40, deadline=None)
