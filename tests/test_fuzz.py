@@ -227,6 +227,9 @@ def test_mxfp8_scale_is_rceil_and_error_within_half_an_e4m3_step(x):
 def test_mxfp8_quantize_is_idempotent_on_representable_values(x):
     q, s = mxfp8_quantize(x)
     d = mxfp8_dequantize(q, s, torch.float32)
+    # A BF16 value within 2^-8 of the fp32 maximum rounds to E4M3 256 x 2^120 = 2^128, which decodes to
+    # inf in fp32 (as it does in every engine's decode): no representable value to start again from.
+    assume(bool(torch.isfinite(d).all()))
     q2, s2 = mxfp8_quantize(d)
     assert torch.equal(mxfp8_dequantize(q2, s2, torch.float32), d)
     # Where the block maximum stays in the top binade of the grid, even the bytes are equal.
