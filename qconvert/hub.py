@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .convert.plan import index_ranges
 from .errors import QConvertError
 from .inspect import MANIFEST_NAME, InspectReport, engine_support, fmt_bytes, inspect_checkpoint
 
@@ -254,18 +255,6 @@ def _repo_like(s: str | None) -> bool:
     return isinstance(s, str) and _REPO.fullmatch(s) is not None and ".." not in s and not Path(s).exists()
 
 
-def _ranges(nums: list[int]) -> str:
-    nums = sorted(set(nums))
-    out, i = [], 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def _collapse(names: list[str]) -> list[str]:
     """``model.layers.{0-2}.input_layernorm``-style summaries; expert indices become ``*``."""
     out: dict[str, list[int]] = {}
@@ -275,7 +264,7 @@ def _collapse(names: list[str]) -> list[str]:
         layer = int(m.group(1)) if m else -1
         k = re.sub(r"\.layers\.\d+\.", ".layers.{L}.", k, count=1)
         out.setdefault(k, []).append(layer)
-    return [f"`{_md(k.replace('{L}', '{' + _ranges(v) + '}'), 500)}`" for k, v in out.items()]
+    return [f"`{_md(k.replace('{L}', '{' + index_ranges(v) + '}'), 500)}`" for k, v in out.items()]
 
 
 def launch_commands(repo: str, scheme: str, dialect: str, moe: bool, revision: str | None = None,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..convert.plan import index_ranges
 from ..errors import OutputError
 from .guard import handle_errors
 from .options import DEMO, DST, FORCE, LAYOUT, MXFP8_DIALECT, NEEDS, NVFP4, PLAN, QUANT_ONLY, SRC, given
@@ -22,19 +23,6 @@ def _fmt_bytes(n: float) -> str:
 
 
 _EXPERT_ROW = re.compile(r"^(?P<pre>.*\.layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>\w+)$")
-
-
-def _ranges(ns) -> str:
-    """0,1,2,5,7,8 -> "0-2,5,7-8"."""
-    ns = sorted(set(ns))
-    out, i = [], 0
-    while i < len(ns):
-        j = i
-        while j + 1 < len(ns) and ns[j + 1] == ns[j] + 1:
-            j += 1
-        out.append(str(ns[i]) if i == j else f"{ns[i]}-{ns[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
@@ -63,7 +51,7 @@ def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
         g["in"] += r.bytes_in
         g["out"] += r.bytes_out
     for (pre, mid, fmt, shape, reason), g in groups.items():
-        what = (f"{pre.rstrip('.')} {_ranges(g['layers'])} experts {_ranges(g['experts'])} "
+        what = (f"{pre.rstrip('.')} {index_ranges(g['layers'])} experts {index_ranges(g['experts'])} "
                 f"{'/'.join(g['projs'])} ({g['n']} tensors)")
         lines[g["at"]] = (what, fmt, str(list(shape)), g["in"], g["out"], reason)
     return lines

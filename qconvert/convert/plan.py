@@ -34,6 +34,19 @@ _GROUP_MEMBER = {
 }
 
 
+
+def index_ranges(nums) -> str:
+    """Layer or expert numbers as ranges: 0,1,2,5,7,8 -> "0-2,5,7-8" (the dry-run plan, the card)."""
+    nums = sorted(set(nums))
+    out, i = [], 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(out)
+
 @dataclass(frozen=True)
 class PlanOptions:
     scheme: str = "mxfp8"  # mxfp8 | nvfp4 | bf16 (layout only)
