@@ -68,7 +68,7 @@ def _mutate(path, fn):
     (lambda d: d.update(format="qconvert-staging/3"), "unknown format"),
     (lambda d: d.update(digest="md5"), "digest kind"),
     (lambda d: d.update(tp=0), "tp is 0"),
-    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(offset=100), "not a multiple of 256"),
+    (lambda d: d["files"][0]["tensors"]["model.embed_tokens.weight"].update(offset=300), "not a multiple of 256"),
     (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[1000]), "past its file"),
     (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[3], offset=769), "not a multiple of 256"),
     (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(dtype="F4"), "unknown"),
