@@ -193,9 +193,10 @@ def test_preshuffled_refit_equals_converter(demo_moe, shm, tmp_path, scheme, ext
     assert res.area.version == 1
 
 
-def _rank_main(demo, opts, rank, world, layers, out, **kw):
+def _rank_main(demo, opts, rank, world, layers, out, barrier, **kw):
     try:
         with Refitter(demo, opts, "shard", rank=rank, world_size=world, **kw) as r:
+            barrier.wait(60)  # every rank's Refitter is made at start-up, before any commit
             r.stage(_stream(demo, layers))
             out[rank] = r.commit()
     except BaseException as e:  # noqa: BLE001
@@ -204,7 +205,8 @@ def _rank_main(demo, opts, rank, world, layers, out, **kw):
 
 def _run_ranks(demo, opts, plan, **kw):
     out: dict = {}
-    threads = [threading.Thread(target=_rank_main, args=(demo, opts, r, len(plan), plan[r], out), kwargs=kw)
+    barrier = threading.Barrier(len(plan))
+    threads = [threading.Thread(target=_rank_main, args=(demo, opts, r, len(plan), plan[r], out, barrier), kwargs=kw)
                for r in range(len(plan))]
     for t in threads:
         t.start()
