@@ -287,6 +287,36 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         r.stage([])
 
 
+@pytest.mark.parametrize("scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})],
+                         ids=["mxfp8", "nvfp4", "mxfp8-trtllm-tp2"])
+def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
+    """The CUDA path's batched NaN/Inf check and coalesced copies, run on CPU: same bytes, and
+    the same refusal as the converter's jobs (naming the tensor); huge finite values pass."""
+    monkeypatch.setattr(Refitter, "_BATCHED", True)
+    opts = _opts(scheme=scheme, **({"input_mode": "unit"} if scheme == "nvfp4" and extra else {}), **extra)
+    want = _convert(demo_moe, tmp_path / "c", opts)
+    with Refitter(demo_moe, opts, "b") as r:
+        assert r._check_group
+        _assert_same(want, _tensors(r.refit(_stream(demo_moe)).area.path))
+        items = list(_stream(demo_moe))
+        name = next(n for n, _ in items if ".experts.3.up_proj" in n)
+        huge = next(n for n, _ in items if ".experts.2.up_proj" in n)
+        poisoned = []
+        for n, t in items:
+            if n in (name, huge):
+                t = t.clone()
+                t.view(-1)[5] = float("nan") if n == name else 3.0e38
+                t.view(-1)[6] = 3.0e38
+            poisoned.append((n, t))
+        with pytest.raises(QConvertError) as e:
+            r.refit(poisoned)
+        assert str(e.value) == (f"tensor {name!r} contains NaN or Inf; fix the source weights or pass "
+                                "--allow-non-finite")
+        assert fs.read_area(shm / "b").version == 1
+        ok = [(n, t) for n, t in poisoned if n != name] + [(name, dict(items)[name])]
+        assert r.refit(ok).area.version == 2  # finite values whose L1 norm overflows are not refused
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})])
 def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, scheme, extra):

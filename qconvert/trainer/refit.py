@@ -41,7 +41,7 @@ import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -166,6 +166,8 @@ class Refitter:
     ``rank``/``world_size``: this trainer rank, for a sharded trainer.
     """
 
+    _BATCHED: bool | None = None  # batched checks and copies: None = on CUDA (tests set True on CPU)
+
     def __init__(self, reference: str | os.PathLike, options=None, name: str = "refit", urls: Iterable[str] = (),
                  engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
                  lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
@@ -202,7 +204,11 @@ class Refitter:
         plan = build_plan(inv, config, opts.plan)
         scheme = opts.scheme
         dialect = dialects.resolve_dialect(scheme, opts.dialect)
-        built = build_jobs(plan, scheme, dialect, opts)
+        # On CUDA the jobs' own NaN/Inf checks cost a host sync per tensor (hundreds per MoE layer):
+        # the jobs run unchecked and one batched check per layer group refuses the same inputs.
+        self._batched = self._dev.type == "cuda" if self._BATCHED is None else self._BATCHED
+        self._check_group = self._batched and not opts.allow_non_finite
+        built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
 
         # layer groups: which jobs each needs, and which source tensors complete it
         group_jobs: dict[tuple, list] = {}
@@ -375,24 +381,37 @@ class Refitter:
     def _write_group(self, key: tuple) -> None:
         src = self._buffers.pop(key)
         g = self._gidx[key]
-        dsts = []
+        if self._check_group:
+            _check_finite_batched(src)
+        outs: dict[str, torch.Tensor] = {}
+        res = None
         for j in self._group_jobs[key]:
-            outs = j.fn({s: src[s] for s in j.sources})
+            res = j.fn({s: src[s] for s in j.sources})
             for o in j.outputs:
-                t = outs[o.name]
+                t = res[o.name]
                 if tuple(t.shape) != tuple(o.shape) or t.dtype != o.dtype:
                     raise RefitError(f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected "
                                      f"{o.dtype} {list(o.shape)}")
-                f = self._file_of_tensor[o.name]
-                spec = f.tensors[o.name]
-                whole = self._maps.tensor(self._slot, f.name)
-                if not t.is_contiguous():
-                    t = t.contiguous()
-                dsts.append((whole[spec.offset:spec.offset + spec.nbytes], t.reshape(-1).view(torch.uint8)))
-        del src
-        self._n_out += len(dsts)
+                outs[o.name] = t
+        del src, res
+        dsts = []
+        files = self._files_of_group[g]
+        for f in files:
+            whole = self._maps.tensor(self._slot, f.name)
+            # the file's tensors lie back to back: each run of neighbours on one device is one copy
+            run: list = []
+            for n, spec in sorted(f.tensors.items(), key=lambda x: x[1].offset):
+                t = outs[n]
+                flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+                if run and (not self._batched or run[-1][2].device != flat.device):
+                    dsts.append(_run_copy(whole, run))
+                    run = []
+                run.append((spec.offset, spec.nbytes, flat))
+            if run:
+                dsts.append(_run_copy(whole, run))
+        self._n_out += len(outs)
         self._written.add(key)
-        self._copier.put(dsts, [f.name for f in self._files_of_group[g]])
+        self._copier.put(dsts, [f.name for f in files])
 
     def _hash_files(self, names: list[str]) -> None:
         slot = self._slot
@@ -549,6 +568,29 @@ class Refitter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _run_copy(whole: torch.Tensor, run: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination slice of the file, source bytes) for tensors that lie back to back in it."""
+    start, end = run[0][0], run[-1][0] + run[-1][1]
+    src = run[0][2] if len(run) == 1 else torch.cat([t for _, _, t in run])
+    return whole[start:end], src
+
+
+def _check_finite_batched(src: dict[str, torch.Tensor]) -> None:
+    """Refuse NaN/Inf in a layer group's inputs with one host sync: the L1 norm of each tensor
+    (torch._foreach_norm, a few launches for all of them) is NaN or inf if the tensor holds NaN or
+    Inf; a tensor flagged only because its finite values overflow the sum is checked exactly."""
+    from qconvert.convert.jobs import non_finite_error
+
+    names = [n for n in sorted(src) if src[n].is_floating_point() and src[n].numel()]
+    if not names:
+        return
+    norms = torch._foreach_norm([src[n] for n in names], 1)
+    flags = torch.isfinite(torch.stack([x.float() for x in norms])).cpu()
+    for n, ok in zip(names, flags.tolist()):
+        if not ok and not bool(torch.isfinite(src[n]).all()):
+            raise non_finite_error(n)
 
 
 def _unlink(p: Path) -> None:
