@@ -1,0 +1,1 @@
+"""The on-disk contract: pure data and small pure functions."""
