@@ -28,8 +28,22 @@ def given(ctx: click.Context, name: str) -> bool:
 
 #: convert commands, unshuffle, demo: what to do with an existing output directory
 FORCE = click.option("--force", is_flag=True, help="Replace DST if it exists (only after the new output is complete).")
-#: push: the one other --force (hub.py's messages name it): push although verify failed or could not run
-FORCE_PUSH = click.option("--force", is_flag=True, help="Push even if verify fails or cannot run.")
+
+
+def _deprecated_force(ctx: click.Context, param: click.Parameter, value):
+    """``push --force``, the spelling before --allow-unverified: still works for one release."""
+    if value:
+        click.echo("note: `qconvert push --force` is deprecated and goes in the next release; "
+                   "use --allow-unverified", err=True)
+    return value
+
+
+#: push: push although verify failed or could not run (``--force`` means "replace DST" everywhere else)
+ALLOW_UNVERIFIED = options(
+    click.option("--allow-unverified", is_flag=True, help="Push even if verify fails or cannot run."),
+    click.option("--force", "old_force", is_flag=True, hidden=True, callback=_deprecated_force,
+                 help="Deprecated spelling of --allow-unverified."),
+)
 PROGRESS = click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 JSON = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 MAX_REL_ERR = click.option("--max-rel-err", type=float, default=None,
