@@ -182,12 +182,30 @@ def _layout_of(view) -> dict | None:
     return read_layout(view.root)
 
 
+def _profiled(fn, top: int):
+    """Run ``fn()`` under cProfile; return the ``top`` functions by cumulative time as short lines."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [f"{v[3]:.3f}s cum {v[2]:.3f}s own {v[1]} calls {Path(k[0]).name}:{k[1]}({k[2]})" for k, v in rows]
+
+
 def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights, *, verify: bool = False,
-                lock_wait_s: float = 60.0, ranks: tuple[int, int, int, int] | None = None) -> dict:
+                lock_wait_s: float = 60.0, ranks: tuple[int, int, int, int] | None = None,
+                profile: int = 0) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
     ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
-    format). Returns JSON-serialisable statistics."""
+    format). Returns JSON-serialisable statistics (with ``profile`` > 0, also the load's ``profile``
+    most expensive functions by cumulative time: scripts/bench_reload.py)."""
     from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
@@ -206,14 +224,21 @@ def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights,
             t_verify = time.perf_counter()
             layout = _layout_of(view)
             n_tensors = sum(len(m.spec.tensors) for m in maps)
-            with torch.no_grad():
-                if layout is None:
-                    reload_weights(iter_tensors(maps))
-                    extra = {}
-                else:
-                    from qconvert.engine.vllm_layout_loader import load_preshuffled_entries
+            extra: dict = {}
 
-                    extra = load_preshuffled_entries(model, str(root), layout, maps, reload_weights)
+            def run() -> None:
+                with torch.no_grad():
+                    if layout is None:
+                        reload_weights(iter_tensors(maps))
+                    else:
+                        from qconvert.engine.vllm_layout_loader import load_preshuffled_entries
+
+                        extra.update(load_preshuffled_entries(model, str(root), layout, maps, reload_weights))
+
+            if profile:
+                extra["profile"] = _profiled(run, int(profile))
+            else:
+                run()
             t_load = time.perf_counter()
             stats = {"format": view.format, "version": view.version, "slot": view.slot,
                      "files": len(maps), "files_in_area": len(view.files),
@@ -229,11 +254,41 @@ def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights,
     return stats
 
 
-def load_staged_into_worker(worker, area: str, verify: bool = False) -> dict:
+def copy_floor(model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3,
+               ranks: tuple[int, int, int, int] | None = None) -> dict:
+    """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
+    process, one plain copy of every tensor this rank would load, from the same mappings into
+    tensors of the same shapes and dtypes allocated (and touched) beforehand. Returns the bytes
+    and the best of ``repeat`` timings."""
+    from qconvert.formats import staging as fmt
+
+    tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
+    maps: list[MappedFile] = []
+    try:
+        with fmt.committed(Path(area)) as view:
+            for f in select_files(view, tp_size, tp_rank, ep_size, ep_rank):
+                maps.append(map_file(view.directory, f))
+            pairs = [(t, torch.zeros_like(t)) for _, t in iter_tensors(maps)]
+            best = float("inf")
+            for _ in range(max(1, repeat)):
+                t0 = time.perf_counter()
+                for src, dst in pairs:
+                    dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+            nbytes = sum(src.nbytes for src, _ in pairs)
+            del pairs
+    finally:
+        for m in maps:
+            m.close()
+    return {"bytes": nbytes, "tensors": sum(len(m.spec.tensors) for m in maps), "seconds": best,
+            "threads": torch.get_num_threads()}
+
+
+def load_staged_into_worker(worker, area: str, verify: bool = False, profile: int = 0) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker."""
     runner = worker.model_runner
 
     def reload_weights(weights):
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
-    return load_staged(runner.get_model(), area, reload_weights, verify=verify)
+    return load_staged(runner.get_model(), area, reload_weights, verify=verify, profile=profile)

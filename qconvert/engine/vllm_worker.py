@@ -70,9 +70,17 @@ class WorkerExtension:
 
         return load_into_worker(self, path)
 
-    def qconvert_load_staged(self, area: str, verify: bool = False) -> dict:
+    def qconvert_load_staged(self, area: str, verify: bool = False, profile: int = 0) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
-        this rank's files: see vllm_staged. Returns load statistics (files, bytes, seconds)."""
+        this rank's files: see vllm_staged. Returns load statistics (files, bytes, seconds; with
+        ``profile`` > 0 the most expensive functions of the load)."""
         from qconvert.engine.vllm_staged import load_staged_into_worker
 
-        return load_staged_into_worker(self, area, verify=verify)
+        return load_staged_into_worker(self, area, verify=verify, profile=profile)
+
+    def qconvert_copy_floor(self, area: str, repeat: int = 3) -> dict:
+        """Benchmark floor (scripts/bench_reload.py): a plain copy of the bytes this rank would load
+        from ``area`` into preallocated tensors, timed in this worker."""
+        from qconvert.engine.vllm_staged import copy_floor
+
+        return copy_floor(self.model_runner.get_model(), area, repeat=repeat)
