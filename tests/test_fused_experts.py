@@ -235,3 +235,44 @@ def test_dry_run_lists_per_expert_rows(fused_dirs, demo_moe):
     b = convert(str(fused_dirs["out_in"]), None, opts=ConvertOptions(scheme="mxfp8", dry_run=True))
     assert sorted(r.module for r in a.rows) == sorted(r.module for r in b.rows)
     assert any(r.sources == ("model.layers.0.mlp.experts.0.gate_proj.weight",) for r in b.rows)
+
+
+@pytest.fixture(scope="module")
+def tf_model(demo_moe):
+    """A transformers 5 Qwen3-MoE model loaded from the split demo checkpoint: transformers itself
+    merges the per-expert weights into its fused parameters."""
+    tf = pytest.importorskip("transformers")
+    model = tf.AutoModelForCausalLM.from_pretrained(str(demo_moe), dtype=torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("scheme,plan", [("mxfp8", PlanOptions(last_n_bf16=1)), ("nvfp4", PlanOptions())])
+@pytest.mark.parametrize("reference", ["split", "fused"])
+def test_refit_from_transformers_named_parameters(scheme, plan, reference, tf_model, demo_moe, fused_dirs, tmp_path,
+                                                  monkeypatch):
+    """refit takes ``named_parameters()`` of a transformers 5 MoE (fused expert names and shapes)
+    and stages the bytes the converter writes for the reference checkpoint."""
+    from qconvert.trainer.refit import stage_refit
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    names = dict(tf_model.named_parameters())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names  # the names transformers 5 yields
+    assert not any(".experts.0." in n for n in names)
+    ref = demo_moe if reference == "split" else fused_dirs["out_in"]
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=plan.last_n_bf16), fsync=False,
+                          progress=False)
+    convert(str(demo_moe), tmp_path / "converted", opts=opts)
+    res = stage_refit(((n, p.detach()) for n, p in tf_model.named_parameters()), reference=ref, stage_name="r",
+                      options=opts)
+    want, got = _load_dir(tmp_path / "converted"), _load_dir(res.area.path)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k].reshape(-1).view(torch.uint8), got[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypatch):
+    from qconvert.trainer.refit import stage_refit
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    items = [(n, p.detach()) for n, p in tf_model.named_parameters()]
+    items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
+    with pytest.raises(PlanError, match="experts.down_proj"):
+        stage_refit(items, reference=demo_moe, stage_name="r")
