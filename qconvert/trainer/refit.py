@@ -199,8 +199,11 @@ class Refitter:
         self.api_key, self.pause, self.verify = api_key, pause, verify
         self._dev = torch.device(opts.device)
 
+        from qconvert.convert import fused
+
         config, inv = reference_inventory(self.reference)
-        self._inv = inv
+        inv, self._views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
+        self._config, self._inv = config, inv
         plan = build_plan(inv, config, opts.plan)
         scheme = opts.scheme
         dialect = dialects.resolve_dialect(scheme, opts.dialect)
@@ -348,7 +351,10 @@ class Refitter:
         self._check_open()
         try:
             self._begin()
-            for name, t in named_tensors:
+            from qconvert.convert import fused
+
+            # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
+            for name, t in fused.split_stream(named_tensors, self._config, self._views):
                 self._take(name, t)
             self._copier.finish()
         except BaseException:
