@@ -326,3 +326,27 @@ def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, scheme
         r.refit((n, t.cuda()) for n, t in _stream(demo_moe))
         got = r.refit((n, t.cuda()) for n, t in _stream(demo_moe_2)).area
         _assert_same(want, _tensors(got.path))
+
+
+def test_engine_side_loader_reads_what_the_refitter_wrote(demo_moe, demo_moe_2, shm, tmp_path):
+    """The vLLM worker's staged loader (qconvert/engine/vllm_staged.py) hands vLLM exactly the
+    converter's tensors from a refit area, holding the committed slot, and verifies digests."""
+    from qconvert.engine import vllm_staged
+
+    opts = _opts(scheme="nvfp4", plan=PlanOptions(last_n_bf16=1))
+    want = _convert(demo_moe_2, tmp_path / "c", opts)
+    with Refitter(demo_moe, opts, "eng") as r:
+        r.refit(_stream(demo_moe))
+        r.refit(_stream(demo_moe_2))
+        got = {}
+
+        def reload_weights(weights):
+            for n, t in weights:
+                got[n] = t.clone()
+            with pytest.raises(fs.StagingError, match="slot 1"):  # the refitter cannot take it meanwhile
+                fs.SlotLock(shm / "eng", 1, shared=False, wait_s=0.05)
+
+        stats = vllm_staged.load_staged(torch.nn.Module(), shm / "eng", reload_weights, verify=True,
+                                        ranks=(1, 0, 1, 0))
+        assert stats["version"] == 2 and stats["slot"] == 1 and stats["verified"]
+        _assert_same(want, got)
