@@ -174,9 +174,8 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
             raise ValueError("not an object")
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); restore the original config.json") from None
-    if "quantization_config" in config:
-        qm = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
-        raise CheckpointError(f"{cfg_path}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts BF16 checkpoints")
+    from .fp8_source import declared_block
+    declared_block(config, cfg_path)  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
 
     index_path = root / INDEX_NAME
     if os.path.lexists(index_path):
