@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, fp8_source, kernels
+from . import destination, dialects, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -55,9 +55,12 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
         if opts.scheme not in ("mxfp8", "nvfp4"):
             raise QConvertError(f"{ckpt.root}: an FP8 block-scaled source converts to mxfp8 or nvfp4 only")
         inventory = qsrc.logical_inventory(inventory)
+    # fused expert tensors planned as their per-expert matrices (fused.py)
+    inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
     plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)
+    built.jobs = fused.merge_jobs(built.jobs, views)
     if qsrc is not None:
         plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc

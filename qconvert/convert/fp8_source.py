@@ -149,8 +149,9 @@ def declared_block(config: dict, where: str = "config.json") -> tuple[int, int] 
                               "BF16 checkpoints and FP8 block-scaled ones (quant_method fp8 with weight_block_size)")
     bs = qc.get("weight_block_size")
     if bs is None:
-        raise CheckpointError(f"{where}: quant_method fp8 without weight_block_size is per-tensor FP8, which qconvert "
-                              "does not read; dequantize it to BF16 first")
+        raise CheckpointError(f"{where}: checkpoint is already quantized (quant_method='fp8' without "
+                              "weight_block_size: per-tensor FP8), which qconvert does not read; dequantize it to "
+                              "BF16 first")
     if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                                                           for v in bs)):
         raise CheckpointError(f"{where}: weight_block_size {bs!r} is not two positive integers; restore the "
