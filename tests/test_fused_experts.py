@@ -276,3 +276,43 @@ def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypat
     items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
     with pytest.raises(PlanError, match="experts.down_proj"):
         stage_refit(items, reference=demo_moe, stage_name="r")
+
+
+def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
+    """``unshuffle`` of a fused source's pre-shuffled conversion gives the split source's plain
+    conversion (the layout job reads the fused tensors; unshuffle sees per-expert layouts)."""
+    from qconvert.convert.unshuffle import unshuffle_checkpoint
+    convert(str(fused_dirs["in_out_w"]), tmp_path / "lay", opts=_opts("mxfp8", layout="flashinfer-trtllm"))
+    convert(str(demo_moe), tmp_path / "plain", opts=_opts("mxfp8"))
+    unshuffle_checkpoint(tmp_path / "lay", tmp_path / "back")
+    ta, tb = _load_dir(tmp_path / "plain"), _load_dir(tmp_path / "back")
+    assert ta.keys() == tb.keys()
+    for n in ta:
+        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n
+
+
+@pytest.mark.vllm
+def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+    """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
+    CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    pytest.importorskip("vllm")
+    from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
+                                      convert_with_qconvert, make_dequantized)
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    keys = ["auto", "nv_a16"]
+    ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
+    dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
+    jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    for i, k in enumerate(keys):
+        ref, q = res[i], res[len(keys) + i]
+        st, st_ref = q["stages"][0], ref["stages"][0]
+        assert _all_finite(st_ref) and _all_finite(st), k
+        m = compare_logprobs(st_ref["score"], st["score"])
+        # vLLM's quantized CPU MoE (plain-torch experts) against its BF16 MoE kernel: the bound and
+        # reason of tests/test_vllm_cpu_plugin.py::test_equals_bf16_of_qconverts_dequantized_weights
+        assert m["top1_agreement"] >= 0.9 and m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, (k, m)
+        assert q["layers"]["model.layers.0.mlp.experts.routed_experts"] == MOE_METHOD[k], (k, q["layers"])
+        assert q["layers"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod", k

@@ -36,7 +36,8 @@ def _write_json(path: Path, obj):
 
 def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers: dict[str, str], scheme: str,
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
-                   created: str | None = None):
+                   created: str | None = None, source=None):
+    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
     config, extra = output_config(ckpt.config, plan, scheme, dialect, opts)
     _write_json(tmp / "config.json", config)
     for fname, obj in extra.items():
@@ -66,7 +67,8 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                    "sha256": {n: d for n, d in input_sha.items() if d},
                    **({} if all(input_sha.values()) else
                       {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                       else "not recorded (--no-source-checksums)"})},
+                       else "not recorded (--no-source-checksums)"}),
+                   **({} if source is None else {"quantized": source.manifest()})},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         "non_finite_allowed": bool(opts.allow_non_finite),
         "bf16_layers": plan.bf16_layers,
@@ -79,7 +81,7 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
     if opts.layout:
         from .layout_jobs import layout_manifest
         manifest["layout"] = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
-    manifest["tensors"] = module_formats(plan, scheme)
+    manifest["tensors"] = module_formats(plan, scheme, source)
     _write_json(tmp / MANIFEST_NAME, manifest)
 
 
@@ -104,7 +106,7 @@ def scheme_keys(scheme: str, dialect: str, opts: ConvertOptions) -> dict:
     return out
 
 
-def module_formats(plan: Plan, scheme: str) -> dict:
+def module_formats(plan: Plan, scheme: str, source=None) -> dict:
     """The manifest's ``tensors``: each module's format, shape and the plan's reason."""
     out = {}
     for name, tp in plan.tensors.items():
@@ -112,6 +114,8 @@ def module_formats(plan: Plan, scheme: str) -> dict:
             continue
         out[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16", "shape": list(tp.shape),
                           "reason": tp.reason}
+        if source is not None and tp.module in source.paths:
+            out[tp.module]["source_path"] = source.paths[tp.module]
     return out
 
 
