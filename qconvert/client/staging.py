@@ -698,7 +698,14 @@ class SlotMaps:
         self._maps: dict[tuple[int, str], tuple] = {}  # (slot, file) -> (mmap, uint8 tensor, registered)
 
     def tensor(self, slot: int, fname: str) -> torch.Tensor:
-        """The whole file as a writable uint8 tensor over the mapping."""
+        """The whole file as a writable uint8 tensor over the mapping. The first use of a file maps
+        (and registers) it in both slots, so that the first refit pays for both."""
+        if (slot, fname) not in self._maps:
+            for k in fs.SLOTS:
+                self._map(k, fname)
+        return self._maps[(slot, fname)][1]
+
+    def _map(self, slot: int, fname: str) -> None:
         m = self._maps.get((slot, fname))
         if m is None:
             import mmap
@@ -721,8 +728,7 @@ class SlotMaps:
                     raise StagingError(f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
                                        "raise the locked-memory limit (ulimit -l) or stage with device='cpu'")
                 registered = True
-            m = self._maps[(slot, fname)] = (mm, t, registered)
-        return m[1]
+            self._maps[(slot, fname)] = (mm, t, registered)
 
     def buffer(self, slot: int, fname: str):
         """The mapping of a file (for digests), mapping it if needed."""
