@@ -223,13 +223,12 @@ def _is_moe(config: dict) -> bool:
 def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
     """SHA-256 of the checkpoint's norm weights (never quantized, fused or TP-sharded), as vLLM's
     ``/weight_checker`` computes them for the same parameter names."""
-    from qconvert.convert.safetensors_io import read_header
-    from qconvert.client.staging import shard_files
+    from qconvert.convert.checkpoint import open_checkpoint, open_member
 
+    ck = open_checkpoint(ckpt, strict=False)
     out = {}
-    for shard in shard_files(Path(ckpt)):
-        h = read_header(shard)
-        with open(shard, "rb") as f:
+    for h in ck.shards:
+        with open_member(ck.root, h.path) as f:  # guarded: a FIFO swapped in since is refused
             for e in h.entries.values():
                 if "norm" in e.name and e.name.endswith(".weight"):
                     f.seek(e.start)
@@ -270,6 +269,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     import time
 
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
+    from qconvert.convert.checkpoint import read_config
 
     t0 = time.perf_counter()
     client.check_dev_mode()
@@ -277,7 +277,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     if ver not in SUPPORTED_VLLM_VERSIONS:
         log.warning("%s runs vLLM %s; qconvert reload is tested with %s", client.url, ver,
                     ", ".join(SUPPORTED_VLLM_VERSIONS))
-    config = json.loads(Path(path, "config.json").read_text())
+    config = read_config(path)  # guarded, as every checkpoint read
     repack = False
     if _is_moe(config) and client.is_cpu():
         if not client.has_extension():
