@@ -39,6 +39,7 @@ import torch
 from .errors import QConvertError
 from .inspect import (EXCLUSION_KEYS, KEPT_SUFFIXES, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .convert.numerics.nvfp4 import NVFP4_RECIPES
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
 
@@ -502,7 +503,7 @@ class _Verifier:
         man = self.dst.manifest or {}
         lay = man.get("layout") if self.det.producer == "qconvert" else None
         if not isinstance(lay, dict) or not isinstance(lay.get("layers"), dict) or man.get("recipe") not in (
-                "te", "modelopt", "rceil"):
+                *NVFP4_RECIPES, "rceil"):
             return {}
         out: dict[str, list[str]] = {}
         for name in dst_t:
@@ -546,7 +547,7 @@ class _Verifier:
         xs = {n: self._src_readers[self._src_shard[n]].read(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
         i_size, h_size = members[0].shape
-        nv_recipe = recipe if recipe in ("te", "modelopt") else "te"
+        nv_recipe = recipe if recipe in NVFP4_RECIPES else "te"
         try:
             input_scales = None
             if scheme == "nvfp4":
@@ -739,7 +740,7 @@ class _Verifier:
         man, r = self.dst.manifest, self.r
         exact = ("it checks only that DST decodes to SRC within the error bounds, so other weights close to "
                  "SRC (another fine-tune of the same model) may pass")
-        if self.det.producer == "qconvert" and man and (man.get("recipe") in ("rceil", "te", "modelopt")):
+        if self.det.producer == "qconvert" and man and (man.get("recipe") in ("rceil", *NVFP4_RECIPES)):
             exact = ("it checks that every quantized tensor is exactly what converting SRC gives, so it cannot tell "
                      "DST's source from other weights that quantize to the same bytes")
         src_want = ((man or {}).get("source") or {}).get("sha256") or {}
@@ -891,7 +892,7 @@ class _Verifier:
                     rr, cc = bad_q[0].tolist()
                     self.fail("values", f"tensor {m.name}.weight: element [{rr}, {cc}] differs from RCEIL quantization "
                                         f"({len(bad_q)} elements differ); re-run the conversion")
-        if fmt == "nvfp4" and recipe in ("te", "modelopt"):
+        if fmt == "nvfp4" and recipe in NVFP4_RECIPES:
             self._check_nvfp4_exact(m, ts, x, recipe, res)
         self.r.tensors.append(res)
 
@@ -914,7 +915,7 @@ class _Verifier:
         (q/k/v, gate/up share one), block scales and codes by the recorded recipe. Every byte must
         equal a fresh quantization: a global scale off in its lowest bit, or DST made from other
         weights, fails here although its error figures look fine."""
-        from .convert.numerics.nvfp4 import nvfp4_quantize
+        from .convert.numerics.nvfp4 import encode_global_scale, nvfp4_quantize
 
         members = self._nvfp4_groups.get(m.name, [m.name])
         g = np.max(np.array([self._source_amax(n) for n in members], dtype=np.float32))
@@ -923,9 +924,7 @@ class _Verifier:
             sfx, want = "weight_scale_2", scale_2.float().reshape(1)
         else:  # compressed-tensors' encode convention, as the writer computes it from the group amax
             sfx = "weight_global_scale"
-            with np.errstate(all="ignore"):
-                enc = np.minimum(np.float32(2688.0) / g, np.float32(np.finfo(np.float32).max)) if g > 0 else np.float32(1)
-            want = torch.tensor([enc], dtype=torch.float32)
+            want = torch.tensor([encode_global_scale(g, recipe)], dtype=torch.float32)
         stored = ts.get(sfx)
         q = ts.get("weight_packed", ts.get("weight"))
         if stored is None or stored.dtype != torch.float32 or stored.numel() != 1 or q is None \

@@ -115,8 +115,10 @@ MXFP8_DIALECT = click.option(
 NVFP4 = options(
     click.option("--dialect", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
                  show_default=True),
-    click.option("--recipe", type=click.Choice(["te", "modelopt"]), default="te", show_default=True,
-                 help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's."),
+    click.option("--recipe", type=click.Choice(["te", "modelopt", "4over6"]), default="te", show_default=True,
+                 help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's; "
+                      "4over6: TransformerEngine 2.17's 4over6 (per block the better of max->6 and max->4; "
+                      "global scale amax/1536, MAE)."),
     click.option("--weight-only", "input_mode", flag_value="weight-only",
                  help="W4A16: no activation scales; engines run weight-only NVFP4 (the default)."),
     click.option("--input-scale", "input_scale", type=click.Choice(["unit"]),

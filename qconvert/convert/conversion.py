@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, kernels
+from . import destination, dialects, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -50,9 +50,13 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     """Resolve and plan: the checkpoint, its plan, the dialect and the jobs."""
     ckpt = load_checkpoint(src)
     inventory = {n: (e.dtype, e.shape) for n, e in ckpt.tensors.items()}
+    # fused expert tensors planned as their per-expert matrices (fused.py)
+    inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
     plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
-    return ckpt, plan, dialect, build_jobs(plan, opts.scheme, dialect, opts)
+    built = build_jobs(plan, opts.scheme, dialect, opts)
+    built.jobs = fused.merge_jobs(built.jobs, views)
+    return ckpt, plan, dialect, built
 
 
 def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> ConvertResult:

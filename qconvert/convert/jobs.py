@@ -23,11 +23,11 @@ from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
 from .layouts import trtllm
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
+from .numerics.nvfp4 import encode_global_scale
 from .options import ConvertOptions, PlanRow
 from .plan import KEEP, QUANTIZE, Plan
 from .safetensors_io import ShardReader
 
-_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -38,6 +38,8 @@ class Job:
     fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     fmt: str
     device_input: bool = False  # the reader thread moves its sources to opts.device (CUDA overlap)
+    #: the per-expert jobs a job reading fused expert tensors runs (fused.merge_jobs); None otherwise
+    parts: list | None = None
 
 
 @dataclass
@@ -130,11 +132,8 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
             if dialect == "modelopt":
                 result[outs[2].name] = scale_2.cpu().reshape(())
             else:
-                # encode convention: S_enc = 2688/g (fp32), clamped at FLT_MAX as TE does (tiny g)
-                gf = np.float32(float(g))
-                with np.errstate(all="ignore"):
-                    enc = np.minimum(np.float32(2688.0) / gf, _F32_MAX) if gf > 0 else np.float32(1.0)
-                result[outs[2].name] = torch.tensor([enc], dtype=torch.float32)
+                # encode convention: S_enc = 2688/g (1536/g for 4over6), fp32, clamped at FLT_MAX
+                result[outs[2].name] = torch.tensor([encode_global_scale(g, opts.recipe)], dtype=torch.float32)
             if len(outs) > 3:
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
                 result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
@@ -236,12 +235,19 @@ def out_nbytes(o: dialects.OutTensor) -> int:
 
 
 def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
+    from .safetensors_io import DTYPES
     entries = ckpt.tensors
+
+    def nbytes(s):  # a per-expert view of a fused tensor (fused.py) is not in the checkpoint
+        if s in entries:
+            return entries[s].nbytes
+        t = plan.tensors[s]
+        return int(np.prod(t.shape)) * DTYPES[t.dtype][0].itemsize
     rows = []
-    for j in jobs:
+    for j in (p for j in jobs for p in (j.parts or [j])):
         tp = plan.tensors[j.sources[0]]
         rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
-                            sum(entries[s].nbytes for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
+                            sum(nbytes(s) for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
                             tuple(j.sources)))
     return rows
 

@@ -15,6 +15,7 @@ from . import dialects
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint
 from .jobs import Job, out_nbytes, source_for_outputs
+from .numerics.nvfp4 import global_div
 from .options import ConvertOptions
 from .plan import QUANTIZE, Plan
 
@@ -23,6 +24,7 @@ MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE o
 NVFP4_SCALE_RULE = {
     "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
     "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
+    "4over6": "TransformerEngine 2.17 4over6 (nvfp4_e4m3_max 256, MAE, no fast math): per block s6 = e4m3((amax_blk / 6) * S_enc), s4 = e4m3(1.5 * that), codes e2m1_rn(x * 1/(s / S_enc)) for each; the one with the smaller sum |decoded - x| kept (ties: s6); S_enc = 1536 / global amax",
 }
 MXFP8_ZERO_POLICY = "E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 (all-zero blocks) differ from online quantizers"
 
@@ -91,8 +93,9 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
     if scheme == "nvfp4":
         manifest["recipe"] = opts.recipe
         manifest["scale_rule"] = NVFP4_SCALE_RULE[opts.recipe]
-        manifest["global_scale"] = ("weight_scale_2 = group amax / 2688 (decode)" if dialect == "modelopt"
-                                    else "weight_global_scale = 2688 / group amax (encode)")
+        div = int(global_div(opts.recipe))
+        manifest["global_scale"] = (f"weight_scale_2 = group amax / {div} (decode)" if dialect == "modelopt"
+                                    else f"weight_global_scale = {div} / group amax (encode)")
         manifest["fused_groups_share_global_scale"] = ["q/k/v", "dense gate/up", "expert gate/up"]
         manifest["activations"] = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
                                    "copied": f"W4A4 with input scales copied from {opts.input_scales_from}"}[opts.input_mode]
