@@ -235,3 +235,84 @@ def test_dry_run_lists_per_expert_rows(fused_dirs, demo_moe):
     b = convert(str(fused_dirs["out_in"]), None, opts=ConvertOptions(scheme="mxfp8", dry_run=True))
     assert sorted(r.module for r in a.rows) == sorted(r.module for r in b.rows)
     assert any(r.sources == ("model.layers.0.mlp.experts.0.gate_proj.weight",) for r in b.rows)
+
+
+@pytest.fixture(scope="module")
+def tf_model(demo_moe):
+    """A transformers 5 Qwen3-MoE model loaded from the split demo checkpoint: transformers itself
+    merges the per-expert weights into its fused parameters."""
+    tf = pytest.importorskip("transformers")
+    model = tf.AutoModelForCausalLM.from_pretrained(str(demo_moe), dtype=torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("scheme,plan", [("mxfp8", PlanOptions(last_n_bf16=1)), ("nvfp4", PlanOptions())])
+@pytest.mark.parametrize("reference", ["split", "fused"])
+def test_refit_from_transformers_named_parameters(scheme, plan, reference, tf_model, demo_moe, fused_dirs, tmp_path,
+                                                  monkeypatch):
+    """refit takes ``named_parameters()`` of a transformers 5 MoE (fused expert names and shapes)
+    and stages the bytes the converter writes for the reference checkpoint."""
+    from qconvert.trainer.refit import stage_refit
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    names = dict(tf_model.named_parameters())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names  # the names transformers 5 yields
+    assert not any(".experts.0." in n for n in names)
+    ref = demo_moe if reference == "split" else fused_dirs["out_in"]
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=plan.last_n_bf16), fsync=False,
+                          progress=False)
+    convert(str(demo_moe), tmp_path / "converted", opts=opts)
+    res = stage_refit(((n, p.detach()) for n, p in tf_model.named_parameters()), reference=ref, stage_name="r",
+                      options=opts)
+    want, got = _load_dir(tmp_path / "converted"), _load_dir(res.area.path)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k].reshape(-1).view(torch.uint8), got[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypatch):
+    from qconvert.trainer.refit import stage_refit
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    items = [(n, p.detach()) for n, p in tf_model.named_parameters()]
+    items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
+    with pytest.raises(PlanError, match="experts.down_proj"):
+        stage_refit(items, reference=demo_moe, stage_name="r")
+
+
+def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
+    """``unshuffle`` of a fused source's pre-shuffled conversion gives the split source's plain
+    conversion (the layout job reads the fused tensors; unshuffle sees per-expert layouts)."""
+    from qconvert.convert.unshuffle import unshuffle_checkpoint
+    convert(str(fused_dirs["in_out_w"]), tmp_path / "lay", opts=_opts("mxfp8", layout="flashinfer-trtllm"))
+    convert(str(demo_moe), tmp_path / "plain", opts=_opts("mxfp8"))
+    unshuffle_checkpoint(tmp_path / "lay", tmp_path / "back")
+    ta, tb = _load_dir(tmp_path / "plain"), _load_dir(tmp_path / "back")
+    assert ta.keys() == tb.keys()
+    for n in ta:
+        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n
+
+
+@pytest.mark.vllm
+def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+    """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
+    CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    pytest.importorskip("vllm")
+    from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
+                                      convert_with_qconvert, make_dequantized)
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    keys = ["auto", "nv_a16"]
+    ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
+    dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
+    jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    for i, k in enumerate(keys):
+        ref, q = res[i], res[len(keys) + i]
+        st, st_ref = q["stages"][0], ref["stages"][0]
+        assert _all_finite(st_ref) and _all_finite(st), k
+        m = compare_logprobs(st_ref["score"], st["score"])
+        # vLLM's quantized CPU MoE (plain-torch experts) against its BF16 MoE kernel: the bound and
+        # reason of tests/test_vllm_cpu_plugin.py::test_equals_bf16_of_qconverts_dequantized_weights
+        assert m["top1_agreement"] >= 0.9 and m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, (k, m)
+        assert q["layers"]["model.layers.0.mlp.experts.routed_experts"] == MOE_METHOD[k], (k, q["layers"])
+        assert q["layers"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod", k

@@ -381,10 +381,8 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     root, rev = resolve_source(src, allow_download)
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
-    if "quantization_config" in config:
-        qm = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
-        raise CheckpointError(f"{ck.root / CONFIG_NAME}: checkpoint is already quantized (quant_method={qm!r}); "
-                              "qconvert converts BF16 checkpoints")
+    from .fp8_source import declared_block
+    declared_block(config, ck.root / CONFIG_NAME)  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []
     extra = ck.extra_files(dirs)
     return Checkpoint(root=root, config=config, shards=ck.shards, source_id=src, revision=rev, extra_files=extra,

@@ -259,3 +259,12 @@ def _merged_job(parts: list, views: dict[str, View], Job):
     fmt = parts[0].fmt
     return Job(sources, [o for p in parts for o in p.outputs], fn, fmt,
                device_input=any(p.device_input for p in parts), parts=parts)
+
+
+def split_stream(named_tensors, config: dict, views: dict[str, View]):
+    """A trainer's (name, tensor) stream with fused expert tensors split per expert
+    (:func:`split_named`): in the orientation the reference checkpoint stores that tensor in
+    (``views`` of :func:`expand`), else transformers 5's [E, out, in]."""
+    orient = {v.source: v.orientation for v in views.values()}
+    for name, t in named_tensors:
+        yield from split_named(name, t, config, orient.get(name, OUT_IN))

@@ -48,6 +48,8 @@ class BuiltJobs:
     kernel layout (HF experts prefix -> scheme; empty without ``--layout``)."""
     jobs: list[Job]
     layout_layers: dict[str, str] = field(default_factory=dict)
+    #: a quantized source (fp8_source.Fp8BlockSource) the jobs decode, None for BF16 sources
+    source: object = None
 
 
 def non_finite_error(name: str) -> CheckpointError:

@@ -36,7 +36,8 @@ def _write_json(path: Path, obj):
 
 def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers: dict[str, str], scheme: str,
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
-                   created: str | None = None):
+                   created: str | None = None, source=None):
+    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
     config = dict(ckpt.config)
     if scheme == "mxfp8":
         qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
@@ -76,7 +77,8 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                    "sha256": {n: d for n, d in input_sha.items() if d},
                    **({} if all(input_sha.values()) else
                       {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                       else "not recorded (--no-source-checksums)"})},
+                       else "not recorded (--no-source-checksums)"}),
+                   **({} if source is None else {"quantized": source.manifest()})},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         "non_finite_allowed": bool(opts.allow_non_finite),
         "bf16_layers": plan.bf16_layers,
@@ -107,5 +109,7 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
             continue
         manifest["tensors"][tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
                                           "shape": list(tp.shape), "reason": tp.reason}
+        if source is not None and tp.module in source.paths:
+            manifest["tensors"][tp.module]["source_path"] = source.paths[tp.module]
     _write_json(tmp / MANIFEST_NAME, manifest)
 
