@@ -39,6 +39,7 @@ import torch
 from .errors import QConvertError
 from .inspect import (EXCLUSION_KEYS, KEPT_SUFFIXES, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .convert import fused
 from .convert.numerics.nvfp4 import NVFP4_RECIPES
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
@@ -372,6 +373,9 @@ class _Verifier:
         r = self.r
         self.dst = dst = read_checkpoint(self.dst_arg)
         self.src = load_checkpoint(self.src_arg)
+        # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
+        self._src_entries, self._src_views = fused.source_entries(self.src.tensors, self.src.config,
+                                                                  self.src.root / "config.json")
         for p in dst.problems:
             self.fail("index", p)
         self.ok("index")
@@ -424,7 +428,7 @@ class _Verifier:
 
     def _match_names(self) -> dict[str, tuple[str, list[str]]]:
         """dst module -> (kind 'kept'|'quantized', source tensor names); checks names/dtypes/shapes."""
-        src_t = self.src.tensors
+        src_t = self._src_entries
         dst_t = self.dst.tensors
         used: set[str] = set()
         plan: dict[str, tuple[str, list[str]]] = {}
@@ -544,7 +548,7 @@ class _Verifier:
             self.fail("structure", f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
                                    f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC")
             return
-        xs = {n: self._src_readers[self._src_shard[n]].read(n) for n in src_names}
+        xs = {n: self._read_src(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
         i_size, h_size = members[0].shape
         nv_recipe = recipe if recipe in NVFP4_RECIPES else "te"
@@ -778,6 +782,7 @@ class _Verifier:
         # both sides mapped (one mapping per tensor, released with it): no copy of either into buffers
         src_readers = {h.path.name: ShardReader(h, hash_file=False, mapped=True) for h in self.src.shards}
         src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
+        src_shard.update({n: src_shard[v.source] for n, v in self._src_views.items()})
         by_tensor: dict[str, str] = {}
         for key, (kind, srcs) in plan.items():
             if kind == "kept":
@@ -817,7 +822,7 @@ class _Verifier:
                             continue
                         kind, srcs = plan[key]
                         if kind == "kept":
-                            s = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            s = self._read_src(srcs[0])
                             r.kept_bytes += e.nbytes
                             if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
                                 r.kept_identical += 1
@@ -837,7 +842,7 @@ class _Verifier:
                         got[split_name(e.name)[1]] = t
                         if len(got) == len(_quantized_suffixes(self.mods[key])):
                             del pending[key]
-                            x = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            x = self._read_src(srcs[0])
                             self._check_quantized(self.mods[key], got, x, recipe)
                     out_sha[h.path.name] = rd.sha256()
             src_digests = {name: fut.result() for name, fut in src_sha.items()}
@@ -896,13 +901,20 @@ class _Verifier:
             self._check_nvfp4_exact(m, ts, x, recipe, res)
         self.r.tensors.append(res)
 
+    def _read_src(self, name: str) -> torch.Tensor:
+        """SRC's tensor ``name`` (mapped), or one expert's matrix of a fused SRC tensor."""
+        v = self._src_views.get(name)
+        if v is None:
+            return self._src_readers[self._src_shard[name]].read(name)
+        return fused.view(self._src_readers[self._src_shard[v.source]].read(v.source), v)
+
     def _source_amax(self, mod: str) -> np.float32:
         """max |w| of the source weight of ``mod``, exactly (fp32; NaN propagates)."""
         from .convert.numerics import cpu_kernels
 
         if mod not in self._amax:
             name = f"{mod}.weight"
-            t = self._src_readers[self._src_shard[name]].read(name)
+            t = self._read_src(name)
             if cpu_kernels.usable(t):
                 self._amax[mod] = cpu_kernels.abs_max_f32(t, CPU_WORKERS)
             else:

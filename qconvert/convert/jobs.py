@@ -361,8 +361,9 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
         # Experts are laid out chunk by chunk (the layout moves rows within each expert; only
         # NVFP4's scalars span a rank's experts), each chunk into its slice of the outputs, the
         # chunks side by side on all cores (CPU), as the plain jobs run one per core.
-        out = {rq: {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in params if name not in scalars}
-               for rq, params in specs.items()}
+        # on the job's device: a GPU job's outputs leave it once, whole (the writer / refit copy)
+        out = {rq: {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in params
+                    if name not in scalars} for rq, params in specs.items()}
         per_expert = {"w13_weight_scale_2": (n_exp, 2), "w2_weight_scale_2": (n_exp,), "w13_input_scale": (n_exp, 2),
                       "w2_input_scale": (n_exp,)} if scalars else {}
         nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}
