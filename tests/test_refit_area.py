@@ -350,3 +350,25 @@ def test_engine_side_loader_reads_what_the_refitter_wrote(demo_moe, demo_moe_2, 
                                         ranks=(1, 0, 1, 0))
         assert stats["version"] == 2 and stats["slot"] == 1 and stats["verified"]
         _assert_same(want, got)
+
+
+@pytest.mark.parametrize("recipe", ["te", "4over6"])
+def test_device_encode_global_scale_is_numpy_fp32_division(recipe):
+    """The GPU jobs' weight_global_scale (no host sync) against NumPy's fp32 division, clamp and
+    zero rule on adversarial amaxes (zero, subnormal, tiny, huge, inf, NaN, random normals)."""
+    import numpy as np
+
+    from qconvert.convert.numerics.nvfp4 import encode_global_scale_tensor, global_div
+
+    rng = np.random.default_rng(0)
+    gs = np.concatenate([np.array([0.0, 1e-45, 1e-40, 1.17e-38, 1e-30, 1e-6, 1.0, 3.0e38, np.inf, np.nan],
+                                  dtype=np.float32),
+                         np.abs(rng.standard_normal(2000).astype(np.float32)) * np.float32(10.0) **
+                         rng.integers(-30, 30, 2000).astype(np.float32)])
+    for g in gs:
+        with np.errstate(all="ignore"):
+            want = min(np.float32(global_div(recipe)) / np.float32(g), np.finfo(np.float32).max) if g > 0 \
+                else np.float32(1.0)
+        got = encode_global_scale_tensor(torch.tensor(g), recipe)
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert np.float32(want).tobytes() == got.numpy().tobytes(), (g, want, got)

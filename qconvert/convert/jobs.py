@@ -23,7 +23,7 @@ from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
 from .layouts import trtllm
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
-from .numerics.nvfp4 import encode_global_scale
+from .numerics.nvfp4 import encode_global_scale, encode_global_scale_tensor
 from .options import ConvertOptions, PlanRow
 from .plan import KEEP, QUANTIZE, Plan
 from .safetensors_io import ShardReader
@@ -87,7 +87,7 @@ def quantize_nvfp4_group(xs: dict[str, torch.Tensor], check: bool, recipe: str, 
     else:
         amaxes = {n: kernels.abs_max(x).float() for n, x in xs.items()}
         g = torch.stack(list(amaxes.values())).amax()
-        finite = bool(torch.isfinite(g))
+        finite = bool(torch.isfinite(g)) if check else True  # a host sync: only when it is asked for
     if check and not finite:
         raise non_finite_error(next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a)))))
     return g, {n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
@@ -132,7 +132,9 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
             result[outs[0].name] = packed  # the writer thread copies device tensors back
             result[outs[1].name] = scale
             if dialect == "modelopt":
-                result[outs[2].name] = scale_2.cpu().reshape(())
+                result[outs[2].name] = scale_2.reshape(())  # the writer copies device tensors back
+            elif isinstance(g, torch.Tensor) and g.device.type != "cpu":  # no host sync per group
+                result[outs[2].name] = encode_global_scale_tensor(g, opts.recipe)
             else:
                 # encode convention: S_enc = 2688/g (1536/g for 4over6), fp32, clamped at FLT_MAX
                 result[outs[2].name] = torch.tensor([encode_global_scale(g, opts.recipe)], dtype=torch.float32)
