@@ -292,11 +292,16 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
 def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
     """The CUDA path's batched NaN/Inf check and coalesced copies, run on CPU: same bytes, and
     the same refusal as the converter's jobs (naming the tensor); huge finite values pass."""
+    from qconvert.convert import jobs
+
     monkeypatch.setattr(Refitter, "_BATCHED", True)
     opts = _opts(scheme=scheme, **({"input_mode": "unit"} if scheme == "nvfp4" and extra else {}), **extra)
-    want = _convert(demo_moe, tmp_path / "c", opts)
+    want = _convert(demo_moe, tmp_path / "c", opts)  # the per-tensor jobs
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})  # stacked MXFP8 quantization
     with Refitter(demo_moe, opts, "b") as r:
         assert r._check_group
+        if scheme == "mxfp8" and not extra:
+            assert any(len(j.sources) > 8 for js in r._group_jobs.values() for j in js)  # experts stacked
         _assert_same(want, _tensors(r.refit(_stream(demo_moe)).area.path))
         items = list(_stream(demo_moe))
         name = next(n for n, _ in items if ".experts.3.up_proj" in n)
@@ -372,3 +377,24 @@ def test_device_encode_global_scale_is_numpy_fp32_division(recipe):
         got = encode_global_scale_tensor(torch.tensor(g), recipe)
         assert got.dtype == torch.float32 and got.shape == (1,)
         assert np.float32(want).tobytes() == got.numpy().tobytes(), (g, want, got)
+
+
+@pytest.mark.parametrize("layout", [None, "flashinfer-trtllm"])
+def test_stacked_mxfp8_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monkeypatch, layout):
+    """The stacked MXFP8 quantization (one launch per projection of a layer, the GPU path), run on
+    CPU: a NaN in one expert is refused naming that tensor, by the converter's layout job and by
+    the Refitter's stacked jobs with their own check."""
+    from qconvert.convert import jobs
+
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})
+    items = list(_stream(demo_moe))
+    bad = next(n for n, _ in items if ".layers.1.mlp.experts.5.down_proj" in n)
+    poisoned = [(n, t.clone().index_fill_(0, torch.tensor([0]), float("nan")) if n == bad else t) for n, t in items]
+    want = (f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+    opts = _opts(scheme="mxfp8", layout=layout)
+    with Refitter(demo_moe, opts, "s") as r:
+        assert not r._check_group
+        with pytest.raises(QConvertError) as e:
+            r.refit(poisoned)
+        assert str(e.value) == want
+        r.refit(items)  # and clean weights go through
