@@ -398,3 +398,39 @@ def test_stacked_mxfp8_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monk
             r.refit(poisoned)
         assert str(e.value) == want
         r.refit(items)  # and clean weights go through
+
+
+def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
+    """Files of at most PART_BYTES (or one tensor), tensors back to back, aligned per the contract,
+    readable by safetensors' own parser and accepted by formats.staging.parse_area."""
+    import struct
+
+    monkeypatch.setattr(staging, "PART_BYTES", 4096)
+    tensors = [(f"w{i}", "BF16", (8, 64)) for i in range(10)]  # 1024 bytes each
+    tensors += [("big", "U8", (9000,)), ("odd", "U8", (300,)), ("odd2", "BF16", (150,)), ("s1", "F32", ()),
+                ("s2", "F32", (2,)), ("b1", "BF16", (3,)), ("u", "U8", (5,))]
+    packed = staging.pack_v2(7, (1, 0), tensors)
+    names = [n for f, _ in packed for n in f.tensors]
+    assert sorted(names) == sorted(n for n, *_ in tensors)
+    for f, head in packed:
+        assert fs.FILE_RE.match(f.name) and f.rank == (1, 0) and f.name.startswith("g00007-tp1-ep0-")
+        specs = sorted(f.tensors.values(), key=lambda t: t.offset)
+        assert specs[0].offset == len(head) and len(head) % 256 == 0
+        for a, b in zip(specs, specs[1:]):
+            assert a.offset + a.nbytes == b.offset  # back to back: safetensors allows no gaps
+        assert specs[-1].offset + specs[-1].nbytes == f.size
+        if len(f.tensors) > 1:
+            assert sum(t.nbytes for t in f.tensors.values() if t.nbytes >= 256) <= 4096
+        n = struct.unpack("<Q", head[:8])[0]
+        hdr = json.loads(head[8:8 + n])
+        for name, t in f.tensors.items():
+            assert hdr[name]["data_offsets"][0] + len(head) == t.offset and hdr[name]["dtype"] == t.dtype
+        (tmp_path / f.name).write_bytes(head + bytes(f.size - len(head)))
+        with safe_open(tmp_path / f.name, "pt") as so:
+            assert {k: list(so.get_slice(k).get_shape()) for k in so.keys()} == \
+                {k: list(t.shape) for k, t in f.tensors.items()}
+    by_name = {n: f for f, _ in packed for n in f.tensors}
+    assert len(by_name["odd"].tensors) == 1 and len(by_name["odd2"].tensors) == 1
+    assert by_name["s1"] is by_name["u"] is by_name["w9"]  # the small ones close the last aligned file
+    spec = fs.AreaSpec({}, fs.DIGEST_XXH3, 2, 1, tuple(f for f, _ in packed))
+    assert fs.parse_area(json.loads(json.dumps(spec.to_json()))) == spec

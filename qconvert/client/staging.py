@@ -606,19 +606,35 @@ def _refuse_link(p: Path) -> None:
 # from the output inventory, created once, mapped once and overwritten in place at every refit.
 
 
+#: A version 2 file holds at most this many bytes (unless one tensor is larger): a layer's digests
+#: are computed on several threads, and the last layer's adds little to the commit.
+PART_BYTES = 128 << 20
+
+
 def pack_v2(group: int, rank: tuple[int, int] | None,
             tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[fs.FileSpec, bytes]]:
     """The files of one (group, rank): (FileSpec, header bytes). Tensors whose size is a multiple of
-    256 first (each 256-aligned), then those under 256 bytes by falling element size (each at a
-    multiple of its element size); any other tensor gets a file of its own."""
+    256 (each 256-aligned), in files of at most :data:`PART_BYTES`, the last of which then takes
+    those under 256 bytes by falling element size (each at a multiple of its element size); any
+    other tensor gets a file of its own."""
     size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in tensors}
     meta = {n: (tag, tuple(int(x) for x in shape)) for n, tag, shape in tensors}
     even = sorted(n for n in size if size[n] % ALIGN == 0)
     tiny = sorted((n for n in size if size[n] < ALIGN and size[n] % ALIGN),
                   key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n))
     odd = sorted(n for n in size if size[n] % ALIGN and size[n] >= ALIGN)
+    parts: list[list[str]] = [[]]
+    filled = 0
+    for n in even:  # files of at most PART_BYTES (or one tensor): digests run in parallel over them
+        if parts[-1] and filled + size[n] > PART_BYTES:
+            parts.append([])
+            filled = 0
+        parts[-1].append(n)
+        filled += size[n]
+    parts[-1] += tiny
+    parts = [p for p in parts if p] + [[n] for n in odd]
     out = []
-    for part, names in enumerate([even + tiny] + [[n] for n in odd] if (even or tiny) else [[n] for n in odd]):
+    for part, names in enumerate(parts):
         head, offs = _header_bytes([(n, *meta[n], size[n]) for n in names], fs.FORMAT_V2)
         specs = {n: fs.TensorSpec(meta[n][0], meta[n][1], len(head) + off) for n, off in zip(names, offs)}
         out.append((fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank,
