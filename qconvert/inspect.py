@@ -59,7 +59,9 @@ def read_checkpoint(path: str | Path) -> CheckpointDir:
     (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
     raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    return open_checkpoint(path, strict=False)
+    ck = open_checkpoint(path, strict=False)
+    ck.hf_quant_config, ck.manifest  # noqa: B018 -- both are read now: a corrupt one is an error of inspect
+    return ck
 
 
 # ---- per-module format --------------------------------------------------------------------------

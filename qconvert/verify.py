@@ -1039,14 +1039,15 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
     directory (bit-exact, see convert/unshuffle.py) and verify that plain checkpoint. None when
     ``dst`` has no qconvert layout or the inverse is not available for it (then the structural
     checks report the layout tensors as not decodable)."""
-    import json as _json
     import tempfile
 
+    from .convert.checkpoint import manifest_layout, read_manifest
+
     try:
-        man = _json.loads((Path(dst) / "qconvert.json").read_text())
-    except (OSError, ValueError):
+        layout = manifest_layout(read_manifest(dst))
+    except QConvertError:  # an unreadable manifest: the structural checks report it
         return None
-    if not isinstance(man, dict) or not man.get("layout"):
+    if layout is None:
         return None
     from .convert.unshuffle import unshuffle_checkpoint
     from .errors import QConvertError as _QE
@@ -1057,12 +1058,12 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
             unshuffle_checkpoint(dst, plain)
         except _QE as e:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
-            (log or (lambda s: None))(f"layout {man['layout'].get('name')} for {man['layout'].get('engine')} is not "
+            (log or (lambda s: None))(f"layout {layout.get('name')} for {layout.get('engine')} is not "
                                       "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
-    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {man['layout'].get('name')}, then verified)"
+    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {layout.get('name')}, then verified)"
     return rep
 
 

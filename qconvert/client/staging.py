@@ -97,13 +97,11 @@ def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int
 
 
 def read_layout(root: Path) -> dict | None:
-    """The kernel-layout contract of a pre-shuffled qconvert checkpoint (``qconvert.json`` ``layout``)."""
-    try:
-        info = json.loads((Path(root) / "qconvert.json").read_text())
-    except (OSError, ValueError):
-        return None
-    lay = info.get("layout") if isinstance(info, dict) else None
-    return lay if isinstance(lay, dict) else None
+    """The kernel-layout contract of a pre-shuffled qconvert checkpoint (the manifest's ``layout``),
+    None without one; read guarded (a corrupt manifest, a link out or a FIFO is an error)."""
+    from qconvert.convert.checkpoint import manifest_layout, read_manifest
+
+    return manifest_layout(read_manifest(root))
 
 
 def contract_mismatch(have: dict, want: dict) -> list[str]:
@@ -112,16 +110,12 @@ def contract_mismatch(have: dict, want: dict) -> list[str]:
 
 
 def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
-    """Layout contract of a checkpoint directory (reads only config.json and shard headers)."""
-    from qconvert.convert.safetensors_io import read_header
+    """Layout contract of a checkpoint directory (reads only config.json, shard headers, manifest)."""
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    root = Path(ckpt)
-    config = read_config(root)
-    tensors = []
-    for shard in shard_files(root):
-        for e in read_header(shard).entries.values():
-            tensors.append((e.name, e.dtype, e.shape))
-    return layout_contract(config, tensors, read_layout(root))
+    ck = open_checkpoint(ckpt, strict=False)
+    tensors = [(e.name, e.dtype, e.shape) for h in ck.shards for e in h.entries.values()]
+    return layout_contract(ck.config, tensors, ck.layout)
 
 
 def _guarded(root: Path, p: Path) -> Path:
@@ -139,33 +133,17 @@ def _read_guarded(root: Path, p: Path) -> bytes:
 
 
 def read_config(root: Path) -> dict:
-    p = root / "config.json"
-    if not os.path.lexists(p):
-        raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory")
-    try:
-        return json.loads(_read_guarded(root, p))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise StagingError(f"{root}/config.json: not valid JSON ({e}); fix or re-export it") from None
+    """config.json of a checkpoint directory (:func:`qconvert.convert.checkpoint.read_config`)."""
+    from qconvert.convert.checkpoint import read_config as _read_config
+
+    return _read_config(root)
 
 
 def shard_files(root: Path) -> list[Path]:
-    index = root / INDEX
-    if os.path.lexists(index):
-        try:
-            wm = json.loads(_read_guarded(root, index))["weight_map"]
-            names = sorted(set(wm.values()))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise StagingError(f"{index}: unreadable index ({e}); fix or re-export it") from None
-        out = []
-        for n in names:
-            if not isinstance(n, str) or not n or os.path.isabs(n) or ".." in n.split("/"):
-                raise StagingError(f"{index}: shard {n!r} lies outside the checkpoint; refusing it")
-            out.append(_guarded(root, root / n))
-        return out
-    shards = sorted(root.glob("*.safetensors"))
-    if not shards:
-        raise StagingError(f"{root}: no .safetensors files; pass a safetensors checkpoint directory")
-    return [_guarded(root, p) for p in shards]
+    """The shard files of a checkpoint directory, as the checkpoint reader lists them (lenient)."""
+    from qconvert.convert.checkpoint import open_checkpoint
+
+    return [h.path for h in open_checkpoint(root, strict=False).shards]
 
 
 # ----------------------------------------------------------------------------- writer
@@ -379,21 +357,22 @@ def rank_of(name: str, layout: dict | None) -> tuple[int, int] | None:
 
 def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":
     """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
-    from qconvert.convert.safetensors_io import read_header
 
     src = Path(ckpt)
     if not src.is_dir():
         raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
     _check_name(name)
-    config = read_config(src)
-    headers = [read_header(p) for p in shard_files(src)]
+    from qconvert.convert.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(src, strict=False)  # guarded, headers validated
+    config, headers = ck.config, ck.shards
     where: dict[str, tuple] = {}
     for h in headers:
         for e in h.entries.values():
             if e.name in where:
                 raise StagingError(f"{src}: tensor {e.name!r} is in two shards; fix the checkpoint")
             where[e.name] = (h.path, e)
-    layout = read_layout(src)
+    layout = ck.layout
     groups: dict[tuple, list[str]] = {}
     for n in where:
         r = rank_of(n, layout)

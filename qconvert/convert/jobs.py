@@ -146,15 +146,13 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
 
 def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
     """Calibrated activation scales (decode convention) from an existing NVFP4 checkpoint."""
-    from .safetensors_io import read_header
     root = Path(path).expanduser()
-    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
-    if not files:
+    if not root.is_dir() or not any(root.glob("*.safetensors")):
         raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
+    from .checkpoint import open_checkpoint
     found: dict[str, torch.Tensor] = {}
-    from .checkpoint import guard
-    for f in files:
-        h = read_header(guard(root, f))  # inside that checkpoint, a regular file
+    for h in open_checkpoint(root, strict=False, require_config=False).shards:  # guarded, headers validated
+        f = h.path
         names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
         if not names:
             continue

@@ -83,15 +83,10 @@ class RefitResult:
 
 def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, tuple[str, tuple]]]:
     """(config, {name: (dtype tag, shape)}) of a BF16 source checkpoint, from headers only."""
-    from qconvert.convert.safetensors_io import read_header
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    root = Path(reference)
-    config = staging.read_config(root)  # guarded, as every checkpoint read
-    inv = {}
-    for shard in staging.shard_files(root):
-        for e in read_header(shard).entries.values():
-            inv[e.name] = (e.dtype, tuple(e.shape))
-    return config, inv
+    ck = open_checkpoint(reference, strict=False)  # guarded, as every checkpoint read
+    return ck.config, {e.name: (e.dtype, tuple(e.shape)) for h in ck.shards for e in h.entries.values()}
 
 
 def _reference_files(reference: Path, skip: set[str]) -> dict[str, bytes]:

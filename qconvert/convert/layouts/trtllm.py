@@ -601,7 +601,7 @@ def installed_flashinfer_version() -> str | None:
         return None
 
 
-def layout_contract(
+def kernel_layout_contract(
     scheme: str,
     engine: str,
     *,
@@ -662,7 +662,7 @@ CONTRACT_KEYS = (
 )
 
 
-def check_layout_contract(stored: dict, expected: dict, where: str = "checkpoint") -> None:
+def check_kernel_layout_contract(stored: dict, expected: dict, where: str = "checkpoint") -> None:
     """Raise :class:`LayoutError` naming the first key where ``stored`` differs."""
     for k in CONTRACT_KEYS:
         if stored.get(k) != expected.get(k):
