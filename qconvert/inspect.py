@@ -59,7 +59,9 @@ def read_checkpoint(path: str | Path) -> CheckpointDir:
     (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
     raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    return open_checkpoint(path, strict=False)
+    ck = open_checkpoint(path, strict=False)
+    ck.hf_quant_config, ck.manifest  # noqa: B018 -- both are read now: a corrupt one is an error of inspect
+    return ck
 
 
 # ---- per-module format --------------------------------------------------------------------------
@@ -375,7 +377,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     layouts = find_layouts(ck.manifest)
     archs = ck.config.get("architectures") or ["<none>"]
     moe = any(".experts." in n for n in mods) or any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    notes = det.notes + det.conflicts
+    notes = det.notes + det.conflicts + (fused_note(ck) if det.scheme == "bf16" and not layouts else [])
     if any(m.stacked for m in mods.values()) and not layouts:
         notes.append("stacked expert tensors (w13_/w2_) but no layout contract in qconvert.json; "
                      "their kernel layout is unknown")
@@ -434,6 +436,24 @@ def _quantized_source(manifest: dict | None, det) -> str | None:
     if not manifest or det.producer != "qconvert" or not isinstance(manifest.get("source"), dict):
         return None
     return summarize(manifest["source"].get("quantized"))
+
+
+def fused_note(ck) -> list[str]:
+    """What qconvert does with a BF16 source's fused expert tensors (docs/formats.md#fused-expert-tensors):
+    a note naming their orientation, or the one-line reason it refuses them."""
+    from .convert import fused
+    from .errors import QConvertError
+    try:
+        _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
+    except QConvertError as e:
+        return [f"fused expert tensors: qconvert refuses them: {e}"]
+    if not views:
+        return []
+    n = len({v.source for v in views.values()})
+    orient = {v.orientation for v in views.values()}.pop()
+    form = "[E, out, in] (transformers 5)" if orient == fused.OUT_IN else "[E, in, out] (transposed)"
+    return [f"fused expert tensors: {n} (…experts.gate_up_proj / down_proj, {form}); qconvert "
+            "writes them as per-expert experts.{e}.gate_proj/up_proj/down_proj"]
 
 
 def nvfp4_activations(mods: dict[str, Module], layouts: list[dict]) -> str | None:

@@ -39,6 +39,7 @@ import torch
 from .errors import QConvertError
 from .inspect import (EXCLUSION_KEYS, KEPT_SUFFIXES, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
                       detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .convert import fused
 from .convert.numerics.nvfp4 import NVFP4_RECIPES
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
@@ -375,6 +376,9 @@ class _Verifier:
         r = self.r
         self.dst = dst = read_checkpoint(self.dst_arg)
         self.src = load_checkpoint(self.src_arg)
+        # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
+        self._src_entries, self._src_views = fused.source_entries(self.src.tensors, self.src.config,
+                                                                  self.src.root / "config.json")
         from .convert import fp8_source  # an FP8 block-scaled SRC is compared through its decode
         self.fp8 = fp8_source.detect(self.src.config, {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()},
                                      self.src.root / "config.json")
@@ -430,7 +434,7 @@ class _Verifier:
 
     def _match_names(self) -> dict[str, tuple[str, list[str]]]:
         """dst module -> (kind 'kept'|'quantized', source tensor names); checks names/dtypes/shapes."""
-        src_t = self.src.tensors
+        src_t = self._src_entries
         dst_t = self.dst.tensors
         used: set[str] = set()
         plan: dict[str, tuple[str, list[str]]] = {}
@@ -554,7 +558,7 @@ class _Verifier:
             self.fail("structure", f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
                                    f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC")
             return
-        xs = {n: self._src_readers[self._src_shard[n]].read(n) for n in src_names}
+        xs = {n: self._read_src(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
         i_size, h_size = members[0].shape
         nv_recipe = recipe if recipe in NVFP4_RECIPES else "te"
@@ -788,6 +792,7 @@ class _Verifier:
         # both sides mapped (one mapping per tensor, released with it): no copy of either into buffers
         src_readers = {h.path.name: ShardReader(h, hash_file=False, mapped=True) for h in self.src.shards}
         src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
+        src_shard.update({n: src_shard[v.source] for n, v in self._src_views.items()})
         from .convert.fp8_source import decoding_readers
         src_readers = decoding_readers(src_readers, src_shard, self.fp8)
         by_tensor: dict[str, str] = {}
@@ -829,7 +834,7 @@ class _Verifier:
                             continue
                         kind, srcs = plan[key]
                         if kind == "kept":
-                            s = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            s = self._read_src(srcs[0])
                             if self.fp8 and srcs[0] in self.fp8.scales:
                                 s = s.to(torch.bfloat16)  # an FP8 weight kept: the BF16 of its decode
                             r.kept_bytes += e.nbytes
@@ -851,7 +856,7 @@ class _Verifier:
                         got[split_name(e.name)[1]] = t
                         if len(got) == len(_quantized_suffixes(self.mods[key])):
                             del pending[key]
-                            x = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            x = self._read_src(srcs[0])
                             self._check_quantized(self.mods[key], got, x, recipe)
                     out_sha[h.path.name] = rd.sha256()
             src_digests = {name: fut.result() for name, fut in src_sha.items()}
@@ -924,13 +929,20 @@ class _Verifier:
                 res.lossless = False
         self.r.tensors.append(res)
 
+    def _read_src(self, name: str) -> torch.Tensor:
+        """SRC's tensor ``name`` (mapped), or one expert's matrix of a fused SRC tensor."""
+        v = self._src_views.get(name)
+        if v is None:
+            return self._src_readers[self._src_shard[name]].read(name)
+        return fused.view(self._src_readers[self._src_shard[v.source]].read(v.source), v)
+
     def _source_amax(self, mod: str) -> np.float32:
         """max |w| of the source weight of ``mod``, exactly (fp32; NaN propagates)."""
         from .convert.numerics import cpu_kernels
 
         if mod not in self._amax:
             name = f"{mod}.weight"
-            t = self._src_readers[self._src_shard[name]].read(name)
+            t = self._read_src(name)
             if cpu_kernels.usable(t):
                 self._amax[mod] = cpu_kernels.abs_max_f32(t, CPU_WORKERS)
             else:
@@ -1055,14 +1067,15 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
     directory (bit-exact, see convert/unshuffle.py) and verify that plain checkpoint. None when
     ``dst`` has no qconvert layout or the inverse is not available for it (then the structural
     checks report the layout tensors as not decodable)."""
-    import json as _json
     import tempfile
 
+    from .convert.checkpoint import manifest_layout, read_manifest
+
     try:
-        man = _json.loads((Path(dst) / "qconvert.json").read_text())
-    except (OSError, ValueError):
+        layout = manifest_layout(read_manifest(dst))
+    except QConvertError:  # an unreadable manifest: the structural checks report it
         return None
-    if not isinstance(man, dict) or not man.get("layout"):
+    if layout is None:
         return None
     from .convert.unshuffle import unshuffle_checkpoint
     from .errors import QConvertError as _QE
@@ -1073,12 +1086,12 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
             unshuffle_checkpoint(dst, plain)
         except _QE as e:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
-            (log or (lambda s: None))(f"layout {man['layout'].get('name')} for {man['layout'].get('engine')} is not "
+            (log or (lambda s: None))(f"layout {layout.get('name')} for {layout.get('engine')} is not "
                                       "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
-    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {man['layout'].get('name')}, then verified)"
+    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {layout.get('name')}, then verified)"
     return rep
 
 
