@@ -12,18 +12,12 @@ and are shared with ``verify`` and the model card in :mod:`qconvert.hub`.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
-from .convert.checkpoint import INDEX_NAME, _safe_member
-from .convert.safetensors_io import DTYPES, TensorEntry, read_header
-
-MANIFEST_NAME = "qconvert.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
+from .convert.checkpoint import HF_QUANT_CONFIG, MANIFEST_NAME, CheckpointDir, open_checkpoint
+from .convert.safetensors_io import DTYPES, TensorEntry
 
 #: tensor-name suffixes that belong to a module (longest first so ``weight_scale_2`` wins)
 SUFFIXES = (
@@ -56,97 +50,18 @@ def split_name(name: str) -> tuple[str, str]:
 
 # ---- reading a checkpoint (headers only) --------------------------------------------------------
 
-@dataclass
-class CheckpointFiles:
-    root: Path
-    config: dict
-    hf_quant_config: dict | None
-    manifest: dict | None
-    index: dict | None
-    shards: list  # safetensors Header, in sorted file-name order
-    tensors: dict[str, TensorEntry]
-    shard_of: dict[str, str]  # tensor name -> shard file name
-    problems: list[str] = field(default_factory=list)  # consistency problems found while reading
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.tensors.values())
+#: what inspect and verify read: the one checkpoint-directory reader's result
+CheckpointFiles = CheckpointDir
 
 
-def _load_json(path: Path, what: str) -> dict:
-    from .convert.checkpoint import read_member_json
-    try:
-        obj = read_member_json(path.parent, path)  # guarded: inside the checkpoint, a regular file
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); restore the {what}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object; restore it")
-    return obj
-
-
-def read_checkpoint(path: str | Path) -> CheckpointFiles:
-    """Config, optional hf_quant_config / manifest / index, and every shard header.
-
-    Raises :class:`CheckpointError` only when nothing sensible can be read; index
-    inconsistencies are collected in ``problems`` so ``verify`` can report them all.
+def read_checkpoint(path: str | Path) -> CheckpointDir:
+    """Config, optional hf_quant_config / manifest / index, and every shard header, read leniently
+    (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
+    raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
-    cfg_path = root / "config.json"
-    if not os.path.lexists(cfg_path):  # present but not a regular file: the guarded read says what it is
-        raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
-    config = _load_json(cfg_path, "config.json")
-    hqc = _load_json(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG) if os.path.lexists(root / HF_QUANT_CONFIG) else None
-    manifest = _load_json(root / MANIFEST_NAME, MANIFEST_NAME) if os.path.lexists(root / MANIFEST_NAME) else None
-    problems: list[str] = []
-    index = None
-    index_path = root / INDEX_NAME
-    if os.path.lexists(index_path):
-        index = _load_json(index_path, "index")
-        wmap = index.get("weight_map")
-        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-            raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names; rewrite the index")
-        files = sorted(set(wmap.values()))
-        for rel in files:
-            _safe_member(root, rel, index_path)
-        on_disk = sorted(p.name for p in root.glob("*.safetensors"))
-        for extra in sorted(set(on_disk) - set(files)):
-            problems.append(f"{root / extra}: shard not listed in {INDEX_NAME}; engines will not load it — delete it or add it to the index")
-        missing = [rel for rel in files if not os.path.lexists(root / rel)]  # a FIFO or link: guard() below
-        if missing:
-            raise CheckpointError(f"{root / missing[0]}: shard listed in {INDEX_NAME} is missing; re-run the conversion or re-download")
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-        if len(files) > 1:
-            problems.append(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index")
-    if not files:
-        raise CheckpointError(f"{root}: no .safetensors weights found")
-    from .convert.checkpoint import guard
-    shards = [read_header(guard(root, root / rel)) for rel in files]
-    tensors: dict[str, TensorEntry] = {}
-    shard_of: dict[str, str] = {}
-    for h in shards:
-        for name, e in h.entries.items():
-            if name in tensors:
-                problems.append(f"tensor {name!r} is stored in both {shard_of[name]} and {h.path.name}; remove one copy")
-                continue
-            tensors[name] = e
-            shard_of[name] = h.path.name
-    if index is not None:
-        wmap = index["weight_map"]
-        for name, rel in sorted(wmap.items()):
-            if name not in tensors:
-                problems.append(f"{index_path}: tensor {name!r} listed in {rel} is in no shard; rewrite the index")
-            elif shard_of[name] != Path(rel).name:
-                problems.append(f"{index_path}: tensor {name!r} listed in {rel} but stored in {shard_of[name]}; rewrite the index")
-        for name in sorted(set(tensors) - set(wmap)):
-            problems.append(f"{index_path}: tensor {name!r} in {shard_of[name]} is not in the index; rewrite the index")
-        total = (index.get("metadata") or {}).get("total_size")
-        if total is not None and total != sum(e.nbytes for e in tensors.values()):
-            problems.append(f"{index_path}: metadata.total_size {total} != {sum(e.nbytes for e in tensors.values())} "
-                            "bytes of tensor data; rewrite the index")
-    return CheckpointFiles(root, config, hqc, manifest, index, shards, tensors, shard_of, problems)
+    ck = open_checkpoint(path, strict=False)
+    ck.hf_quant_config, ck.manifest  # noqa: B018 -- both are read now: a corrupt one is an error of inspect
+    return ck
 
 
 # ---- per-module format --------------------------------------------------------------------------
@@ -423,6 +338,9 @@ class InspectReport:
     #: the quantization recipe qconvert.json records ("rceil"; NVFP4 "te" or "modelopt"); None when
     #: the checkpoint has no qconvert manifest (the bytes alone cannot tell the recipe)
     recipe: str | None = None
+    #: what the quantized source was, from qconvert.json (FP8 block-scaled: which tensors were
+    #: lossless, docs/formats.md#fp8-block-sources); None for BF16 sources
+    source: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -459,7 +377,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     layouts = find_layouts(ck.manifest)
     archs = ck.config.get("architectures") or ["<none>"]
     moe = any(".experts." in n for n in mods) or any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    notes = det.notes + det.conflicts
+    notes = det.notes + det.conflicts + (fused_note(ck) if det.scheme == "bf16" and not layouts else [])
     if any(m.stacked for m in mods.values()) and not layouts:
         notes.append("stacked expert tensors (w13_/w2_) but no layout contract in qconvert.json; "
                      "their kernel layout is unknown")
@@ -509,7 +427,33 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
                          layouts, sorted(mods.values(), key=lambda m: _natural(m.name)), totals,
                          det.exclusion_keys, engines, notes, ck.problems,
                          nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
-                         recipe if isinstance(recipe, str) else None)
+                         recipe if isinstance(recipe, str) else None, _quantized_source(ck.manifest, det))
+
+
+def _quantized_source(manifest: dict | None, det) -> str | None:
+    from .convert.fp8_source import summarize
+
+    if not manifest or det.producer != "qconvert" or not isinstance(manifest.get("source"), dict):
+        return None
+    return summarize(manifest["source"].get("quantized"))
+
+
+def fused_note(ck) -> list[str]:
+    """What qconvert does with a BF16 source's fused expert tensors (docs/formats.md#fused-expert-tensors):
+    a note naming their orientation, or the one-line reason it refuses them."""
+    from .convert import fused
+    from .errors import QConvertError
+    try:
+        _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
+    except QConvertError as e:
+        return [f"fused expert tensors: qconvert refuses them: {e}"]
+    if not views:
+        return []
+    n = len({v.source for v in views.values()})
+    orient = {v.orientation for v in views.values()}.pop()
+    form = "[E, out, in] (transformers 5)" if orient == fused.OUT_IN else "[E, in, out] (transposed)"
+    return [f"fused expert tensors: {n} (…experts.gate_up_proj / down_proj, {form}); qconvert "
+            "writes them as per-expert experts.{e}.gate_proj/up_proj/down_proj"]
 
 
 def nvfp4_activations(mods: dict[str, Module], layouts: list[dict]) -> str | None:
@@ -550,6 +494,8 @@ def format_report(r: InspectReport, limit: int | None = None) -> str:
     if r.scheme in ("mxfp8", "nvfp4"):
         lines.append(f"recipe     : {r.recipe}" if r.recipe else
                      "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)")
+    if r.source:
+        lines.append(f"source     : {r.source}")
     lines.append(f"model      : {r.architecture}" + (" (MoE)" if r.moe else ""))
     for lay in r.layouts:
         lines.append(f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "

@@ -9,7 +9,7 @@ loads such a checkpoint into a *running* vLLM worker:
 
 1. **Check everything first** (:func:`plan_preshuffled_load`, nothing is written): the manifest
    (``qconvert.json`` key ``layout``) names engine ``vllm``; each scheme's contract equals what
-   this qconvert writes (:func:`~qconvert.convert.layouts.trtllm.check_layout_contract`) and
+   this qconvert writes (:func:`~qconvert.convert.layouts.trtllm.check_kernel_layout_contract`) and
    names the FlashInfer version installed in the worker; for every MoE layer of the manifest,
    the live module exists, its MoE TP/EP sizes equal the manifest's, its experts are placed
    contiguously per EP rank, its quant method runs the FlashInfer TRT-LLM backend with the
@@ -47,7 +47,6 @@ by ``g1_alphas``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -83,15 +82,12 @@ def _refuse(where: str, what: str) -> PreshuffledLoadError:
 
 def read_layout(ckpt: str | Path) -> dict | None:
     """The ``layout`` section of the checkpoint's ``qconvert.json``, or None (no layout)."""
-    p = Path(ckpt) / MANIFEST
+    from qconvert.convert.checkpoint import manifest_layout, read_manifest
+
     try:
-        man = json.loads(p.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise PreshuffledLoadError(f"{p}: unreadable qconvert manifest ({e})") from None
-    lay = man.get("layout") if isinstance(man, dict) else None
-    return lay or None
+        return manifest_layout(read_manifest(ckpt))
+    except QConvertError as e:  # corrupt, a link out of the checkpoint, a FIFO
+        raise PreshuffledLoadError(f"unreadable qconvert manifest: {e}") from None
 
 
 def has_layout(ckpt: str | Path) -> bool:
@@ -101,17 +97,13 @@ def has_layout(ckpt: str | Path) -> bool:
 def _checkpoint_entries(ckpt: Path) -> dict[str, object]:
     """name -> TensorEntry (with ``.header`` shard) over every shard; headers validated (sizes,
     truncation) by qconvert's reader."""
-    from qconvert.convert.safetensors_io import read_header
-    from qconvert.client.staging import shard_files
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    out: dict[str, object] = {}
-    for shard in shard_files(ckpt):
-        h = read_header(shard)
-        for name, e in h.entries.items():
-            if name in out:
-                raise _refuse(str(ckpt), f"tensor {name} appears in two shards")
-            out[name] = (h, e)
-    return out
+    ck = open_checkpoint(ckpt, strict=False)
+    dup = next((p for p in ck.problems if p.code == "duplicate"), None)
+    if dup is not None:
+        raise _refuse(str(ckpt), f"tensor {dup.subject} appears in two shards")
+    return {name: (h, e) for h in ck.shards for name, e in h.entries.items()}
 
 
 # ------------------------------------------------------------------------------- engine side
@@ -221,19 +213,38 @@ def _read(he) -> torch.Tensor:
     from qconvert.convert.safetensors_io import ShardReader
 
     h, e = he
+    if hasattr(h, "tensor"):  # a mapped staging file (vllm_staged.MappedFile): a view, no read
+        return h.tensor(e.name)
     with ShardReader(h, hash_file=False) as r:
         return r.read(e.name)
 
 
+def staged_entries(maps) -> dict[str, tuple]:
+    """name -> (mapped file, TensorEntry) over mapped staging files (``vllm_staged.MappedFile``):
+    the same handles :func:`plan_preshuffled_load` gets from shard headers, from the staging
+    area's description instead of a header parse."""
+    from qconvert.convert.safetensors_io import TensorEntry
+
+    out: dict[str, tuple] = {}
+    for m in maps:
+        for name, t in m.spec.tensors.items():
+            if name in out:
+                raise _refuse(str(m.path), f"tensor {name} appears in two staged files")
+            out[name] = (m, TensorEntry(name, t.dtype, tuple(t.shape), t.offset, t.offset + t.nbytes))
+    return out
+
+
 def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
-                          flashinfer_version: object = _LOOKUP) -> PreshuffledPlan:
+                          flashinfer_version: object = _LOOKUP, layout: dict | None = None,
+                          entries: dict[str, tuple] | None = None) -> PreshuffledPlan:
     """Check the checkpoint against the live ``model``; raise :class:`PreshuffledLoadError` on the
     first mismatch. Reads headers only (and NVFP4 input scales). ``flashinfer_version``:
-    the installed version (default: looked up; None = not installed)."""
+    the installed version (default: looked up; None = not installed). ``layout`` and ``entries``
+    (from :func:`staged_entries`) replace reading ``ckpt``'s manifest and shard headers."""
     from qconvert.convert.layouts import trtllm
 
     ckpt = Path(ckpt)
-    lay = read_layout(ckpt)
+    lay = layout if layout is not None else read_layout(ckpt)
     if lay is None:
         raise _refuse(str(ckpt), f"no 'layout' in {MANIFEST}: not a pre-shuffled checkpoint (use reload_weights)")
     if lay.get("name") != trtllm.LAYOUT_NAME:
@@ -253,10 +264,10 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
         if c.get("engine") != ENGINE:
             raise _refuse(where, f"engine {c.get('engine')!r}, this is vllm")
         try:
-            expected = trtllm.layout_contract(scheme, ENGINE, num_experts=c["num_experts"],
+            expected = trtllm.kernel_layout_contract(scheme, ENGINE, num_experts=c["num_experts"],
                                               intermediate_size=c["intermediate_size"],
                                               hidden_size=c["hidden_size"], tp=c["tp"], ep=c["ep"])
-            trtllm.check_layout_contract(c, expected, where)
+            trtllm.check_kernel_layout_contract(c, expected, where)
         except (KeyError, TypeError) as e:
             raise _refuse(where, f"incomplete contract ({e})") from None
         except trtllm.LayoutError as e:
@@ -267,7 +278,8 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
             raise _refuse(where, f"written for FlashInfer {c.get('flashinfer_version')}, the worker has "
                                  f"{flashinfer_version or 'no flashinfer-python installed'}")
 
-    entries = _checkpoint_entries(ckpt)
+    if entries is None:
+        entries = _checkpoint_entries(ckpt)
     layout_names: dict[str, dict[str, dict[str, tuple]]] = {}  # prefix -> tag -> param -> he
     other = []
     for name, he in entries.items():
@@ -347,6 +359,11 @@ def iter_other(plan: PreshuffledPlan) -> Iterator[tuple[str, torch.Tensor]]:
         by_shard.setdefault(str(h.path), []).append(e.name)
         headers[str(h.path)] = h
     for path, names in by_shard.items():
+        if hasattr(headers[path], "tensor"):  # a mapped staging file: views in file order
+            m = headers[path]
+            for name in sorted(names, key=lambda n: m.spec.tensors[n].offset):
+                yield name, m.tensor(name)
+            continue
         with ShardReader(headers[path], hash_file=False) as r:
             for e, t in r.iter_tensors(set(names)):
                 yield e.name, t
@@ -371,12 +388,14 @@ def copy_layout_tensors(plan: PreshuffledPlan) -> tuple[int, int]:
 
 def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
                      load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object], *,
-                     flashinfer_version: object = _LOOKUP) -> dict:
+                     flashinfer_version: object = _LOOKUP, layout: dict | None = None,
+                     entries: dict[str, tuple] | None = None) -> dict:
     """Check, load the non-layout tensors with ``load_weights``, then copy the layout tensors.
 
     ``load_weights`` gets an iterator of (name, tensor) in the checkpoint dialect. Returns a
     JSON-serialisable summary."""
-    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version)
+    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version, layout=layout,
+                                 entries=entries)
     n_other = 0
 
     def counted():
@@ -390,6 +409,12 @@ def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
     return {"layers": len(plan.layers), "skipped_layers": plan.skipped, "expert_tensors": n,
             "expert_bytes": nbytes, "other_tensors": n_other, "tp": plan.tp, "ep": plan.ep,
             "tp_rank": plan.tp_rank, "ep_rank": plan.ep_rank}
+
+
+def load_preshuffled_entries(model: torch.nn.Module, where: str, layout: dict, maps, load_weights) -> dict:
+    """:func:`load_preshuffled` from mapped staging files (``qconvert_load_staged``): the files this
+    rank selected (its own layout tensors and the replicated ones), viewed in place."""
+    return load_preshuffled(model, where, load_weights, layout=layout, entries=staged_entries(maps))
 
 
 def load_into_worker(worker, path: str) -> dict:
