@@ -28,14 +28,16 @@ split -b 57M -d -a 1 "$TMP/vllm-slim.tar.xz" "$TMP/vllm-slim.tar.xz.part"
 mv "$TMP/vllm-slim.tar.xz.part0" "$OUT/p1/"; mv "$TMP/vllm-slim.tar.xz.part1" "$OUT/p2/"
 # vLLM 0.26.0's requirements that the image lacks (transitive ones resolved by pip), then the ones
 # pip must not resolve (they require torch), then what a trace of `import vllm.entrypoints.openai.api_server`
-# showed imported without being declared
+# showed imported without being declared. vLLM pins apache-tvm-ffi==0.1.10, but xgrammar 0.2.9 (the newest
+# its range allows) needs >= 0.1.11 and fails at import with 0.1.10 (load_lib_module() got an unexpected
+# keyword argument 'extra_lib_paths'; seen on the device): 0.1.11 (FlashInfer, the pin's reason, is not installed)
 pip download "${PLAT[@]}" -d "$TMP/deps" 'fastapi[standard]<0.137.0,>=0.133.0' 'starlette>=1.0.1' 'openai>=2.0.0' \
   'pydantic>=2.12.0' 'prometheus-fastapi-instrumentator>=8.0.0' lm-format-enforcer==0.11.3 'llguidance<1.8.0,>=1.7.0' \
   outlines_core==0.2.14 lark==1.2.2 partial-json-parser 'jsonschema>=4.23.0' 'pyzmq>=25.0.0' msgspec \
   'mistral_common>=1.11.5' depyf==0.20.0 watchfiles python-json-logger pybase64 cbor2 ijson setproctitle \
   'openai-harmony>=0.0.3' 'anthropic>=0.71.0' 'model-hosting-container-standards<1.0.0,>=0.1.14' mcp blake3 cachetools
 pip download --no-deps "${PLAT[@]}" -d "$TMP/deps" compressed-tensors==0.17.0 'xgrammar<1.0.0,>=0.2.1' \
-  apache-tvm-ffi==0.1.10 loguru truststore
+  apache-tvm-ffi==0.1.11 loguru truststore
 # the image has these already (KINDS.md): installing them again would shadow its builds
 (cd "$TMP/deps" && for f in *.whl; do n=$(echo "$f" | cut -d- -f1 | tr 'A-Z_' 'a-z-'); case " annotated-doc anyio attrs \
   certifi charset-normalizer click h11 httpcore httpx idna jinja2 markdown-it-py markupsafe mdurl numpy packaging pillow \
