@@ -398,6 +398,10 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
     L.append(f"| on-disk dialect | `{dialect}`: {DIALECT_TEXT.get((scheme, dialect), dialect)} |")
     if man.get("recipe"):
         L.append(f"| recipe | `{_md(man['recipe'])}` |")
+    from .convert.fp8_source import summarize
+    src_line = summarize((man.get("source") or {}).get("quantized") if isinstance(man.get("source"), dict) else None)
+    if src_line:
+        L.append(f"| source | {_md(src_line)} |")
     if man.get("scale_rule"):
         L.append(f"| scale rule | {_md(man['scale_rule'])} |")
     for k in ("zero_block_policy", "global_scale_rule", "nvfp4_formula"):

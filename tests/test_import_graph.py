@@ -27,7 +27,8 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
 }
 
 #: (module, what) -> why: findings in files that other branches are rewriting now (h-formats:
-#: the on-disk contract in qconvert/formats/; h-reader: checkpoint.py; h-quant: fp8_source.py),
+#: the on-disk contract in qconvert/formats/; h-reader: checkpoint.py; h-quant: fp8_source.py;
+#: h-refit / h-serve: staging and refit),
 #: left to them or to the next tidy-up instead of colliding with their edits. ``what`` is an imported module (an edge
 #: that closes a cycle) or ``module.name`` (a private name used across modules). Remove an entry
 #: when it is mended: the test fails on entries that no longer match anything.
@@ -40,6 +41,10 @@ PENDING: dict[tuple[str, str], str] = {
     # fp8_source.py is h-quant's, in progress; _wrap can build its job with dataclasses.replace
     # (keeping Job.parts) instead of importing Job, or declared_block move below checkpoint.
     ("qconvert.convert.fp8_source", "qconvert.convert.jobs"): "h-quant: fp8_source._wrap imports jobs.Job",
+    # landed by the refit work while this test was written (trainer/refit.py reads staging's
+    # helpers); client/staging.py and formats/staging.py are being edited by h-refit and h-serve
+    ("qconvert.trainer.refit", "qconvert.client.staging._TORCH_TO_TAG"): "h-refit: make public in staging",
+    ("qconvert.trainer.refit", "qconvert.formats.staging._EXTRA_RE"): "h-refit: make public in formats.staging",
     ("qconvert.verify", "qconvert.convert.plan._classify"): "h-formats: plan/verify read formats/",
     ("qconvert.verify", "qconvert.convert.plan._group_id"): "h-formats: plan/verify read formats/",
 }

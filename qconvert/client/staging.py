@@ -118,20 +118,6 @@ def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
     return layout_contract(ck.config, tensors, ck.layout)
 
 
-def _guarded(root: Path, p: Path) -> Path:
-    """``p`` through the checkpoint guard (inside ``root`` after resolving links, a regular file)."""
-    from qconvert.convert.checkpoint import guard
-
-    return guard(root, p)
-
-
-def _read_guarded(root: Path, p: Path) -> bytes:
-    from qconvert.convert.checkpoint import open_member
-
-    with open_member(root, p) as f:
-        return f.read()
-
-
 def read_config(root: Path) -> dict:
     """config.json of a checkpoint directory (:func:`qconvert.convert.checkpoint.read_config`)."""
     from qconvert.convert.checkpoint import read_config as _read_config
@@ -362,7 +348,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
     if not src.is_dir():
         raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
     _check_name(name)
-    from qconvert.convert.checkpoint import open_checkpoint
+    from qconvert.convert.checkpoint import open_checkpoint, read_member
 
     ck = open_checkpoint(src, strict=False)  # guarded, headers validated
     config, headers = ck.config, ck.shards
@@ -401,7 +387,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
         for p in sorted(src.iterdir()):
             if p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES and not p.name.startswith(".") \
                     and not p.is_dir():
-                w.add_file(p.name, _read_guarded(src, p))
+                w.add_file(p.name, read_member(src, p))
         return w.commit()
 
 

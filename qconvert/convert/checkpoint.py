@@ -115,10 +115,15 @@ def open_member(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False
     return open_regular(guard(root, p, hub))
 
 
+def read_member(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False) -> bytes:
+    """The bytes of a guarded checkpoint file (a small one: config, tokenizer, index)."""
+    with open_member(root, p, hub) as f:
+        return f.read()
+
+
 def read_member_json(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False):
     """Parsed JSON of a guarded checkpoint file (ValueError / UnicodeDecodeError as json raises them)."""
-    with open_member(root, p, hub) as f:
-        return json.loads(f.read().decode("utf-8"))
+    return json.loads(read_member(root, p, hub).decode("utf-8"))
 
 
 #: Weights of other frameworks or formats, never copied into the output (wherever they are).

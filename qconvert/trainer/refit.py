@@ -90,11 +90,13 @@ def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, t
 
 
 def _reference_files(reference: Path, skip: set[str]) -> dict[str, bytes]:
+    from qconvert.convert.checkpoint import read_member
+
     out = {}
     for p in sorted(reference.iterdir()):
         if (p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and not p.name.startswith(".")
                 and p.name not in skip and fs._EXTRA_RE.match(p.name)):
-            out[p.name] = staging._read_guarded(reference, p)
+            out[p.name] = read_member(reference, p)  # guarded, as every checkpoint read
     return out
 
 
