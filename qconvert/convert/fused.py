@@ -37,11 +37,14 @@ PER_EXPERT_ARCHS = frozenset({"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Dee
 REFUSED_ARCHS = {
     "GptOssForCausalLM": "gpt-oss interleaves gate and up (even/odd columns) with biases and engines load its fused "
                          "names only, in their own MXFP4 format",
-    "Llama4ForConditionalGeneration": "Llama 4 is not yet supported with fused experts",
-    "Llama4ForCausalLM": "Llama 4 is not yet supported with fused experts",
+    "Llama4ForConditionalGeneration": "Llama 4's fused experts are not supported yet (not run in an engine here); "
+                                      "split them per expert first",
+    "Llama4ForCausalLM": "Llama 4's fused experts are not supported yet (not run in an engine here); "
+                         "split them per expert first",
     "MixtralForCausalLM": "transformers 5 renames Mixtral's block_sparse_moe.experts.{e}.w1/w2/w3 to mlp.experts.*; "
                           "qconvert does not rename the layer back",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE is not yet supported with fused experts",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's fused experts are not supported yet (not run in an "
+                                          "engine here); split them per expert first",
 }
 
 PROJ_OUT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -251,10 +254,22 @@ def _merged_job(parts: list, views: dict[str, View], Job):
             if real not in sources:
                 sources.append(real)
 
+    from . import kernels
+    from .jobs import run_all
+
     def fn(src):
+        done: list = [None] * len(parts)
+
+        def one(k):
+            p = parts[k]
+            done[k] = p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources})
+        # the per-expert jobs side by side, one per core, as the split checkpoint's jobs run (CPU;
+        # on a job thread kernels.workers() is 1 and they run in turn)
+        parallel = kernels.workers() > 1 and not any(p.device_input for p in parts) and len(parts) > 1
+        run_all(one, [(k,) for k in range(len(parts))], parallel)
         result = {}
-        for p in parts:
-            result.update(p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources}))
+        for d in done:
+            result.update(d)
         return result
     fmt = parts[0].fmt
     return Job(sources, [o for p in parts for o in p.outputs], fn, fmt,
