@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import PlanError
+from ..errors import PlanError, QConvertError
 
 #: a fused expert tensor: ``<prefix>.experts.gate_up_proj`` / ``.down_proj``, with or without ``.weight``
 FUSED_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<w>\.weight)?$")
@@ -246,6 +246,16 @@ def merge_jobs(jobs: list, views: dict[str, View]) -> list:
     return [_merged_job(merged[x], views, Job) if isinstance(x, int) else x for x in out]
 
 
+def _source_words(msg: str, names, views: dict[str, View]) -> str:
+    """``msg`` with each per-expert view it quotes named as the fused tensor, expert and half."""
+    for n in names:
+        if n in views and repr(n) in msg:
+            v = views[n]
+            part = n.rsplit(".", 2)[-2]
+            msg = msg.replace(repr(n), f"{v.source!r} (expert {v.expert}, {part})")
+    return msg
+
+
 def _merged_job(parts: list, views: dict[str, View], Job):
     sources: list[str] = []
     for p in parts:
@@ -262,7 +272,10 @@ def _merged_job(parts: list, views: dict[str, View], Job):
 
         def one(k):
             p = parts[k]
-            done[k] = p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources})
+            try:
+                done[k] = p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources})
+            except QConvertError as e:  # name the tensor the user has, not the per-expert view
+                raise type(e)(_source_words(str(e), p.sources, views)) from None
         # the per-expert jobs side by side, one per core, as the split checkpoint's jobs run (CPU;
         # on a job thread kernels.workers() is 1 and they run in turn)
         parallel = kernels.workers() > 1 and not any(p.device_input for p in parts) and len(parts) > 1
