@@ -59,7 +59,9 @@ def read_checkpoint(path: str | Path) -> CheckpointDir:
     (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
     raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    return open_checkpoint(path, strict=False)
+    ck = open_checkpoint(path, strict=False)
+    ck.hf_quant_config, ck.manifest  # noqa: B018 -- both are read now: a corrupt one is an error of inspect
+    return ck
 
 
 # ---- per-module format --------------------------------------------------------------------------
@@ -336,6 +338,9 @@ class InspectReport:
     #: the quantization recipe qconvert.json records ("rceil"; NVFP4 "te" or "modelopt"); None when
     #: the checkpoint has no qconvert manifest (the bytes alone cannot tell the recipe)
     recipe: str | None = None
+    #: what the quantized source was, from qconvert.json (FP8 block-scaled: which tensors were
+    #: lossless, docs/formats.md#fp8-block-sources); None for BF16 sources
+    source: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -422,7 +427,15 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
                          layouts, sorted(mods.values(), key=lambda m: _natural(m.name)), totals,
                          det.exclusion_keys, engines, notes, ck.problems,
                          nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
-                         recipe if isinstance(recipe, str) else None)
+                         recipe if isinstance(recipe, str) else None, _quantized_source(ck.manifest, det))
+
+
+def _quantized_source(manifest: dict | None, det) -> str | None:
+    from .convert.fp8_source import summarize
+
+    if not manifest or det.producer != "qconvert" or not isinstance(manifest.get("source"), dict):
+        return None
+    return summarize(manifest["source"].get("quantized"))
 
 
 def fused_note(ck) -> list[str]:
@@ -481,6 +494,8 @@ def format_report(r: InspectReport, limit: int | None = None) -> str:
     if r.scheme in ("mxfp8", "nvfp4"):
         lines.append(f"recipe     : {r.recipe}" if r.recipe else
                      "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)")
+    if r.source:
+        lines.append(f"source     : {r.source}")
     lines.append(f"model      : {r.architecture}" + (" (MoE)" if r.moe else ""))
     for lay in r.layouts:
         lines.append(f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "
