@@ -181,6 +181,9 @@ class Refitter:
         fs.check_name(name)
         if engine not in ("vllm", "sglang"):
             raise RefitError(f"engine {engine!r}: use vllm or sglang")
+        if engine == "sglang" and list(urls):
+            raise RefitError("SGLang servers cannot read a refit staging area (two slots, per-rank files) yet; "
+                             "refit vLLM servers, or reload SGLang from a converted checkpoint (`qconvert reload sglang`)")
         if opts.layout and opts.engine != engine:
             raise RefitError(f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
                              f"engine {engine!r}; pre-shuffle for the engine that serves")
@@ -523,22 +526,18 @@ class Refitter:
     # ------------------------------------------------------------------ servers
 
     def reload(self, weight_version: str | None = None) -> list:
-        """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do)."""
+        """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do). vLLM
+        servers read the area where it is, through qconvert's worker extension (each rank its own
+        files; docs/reload.md#per-rank-files)."""
         self._check_open()
         if self.rank != 0 or not self.urls:
             return []
-        if self.root.resolve() != fs.staging_root().resolve():
-            raise RefitError(f"reload: the servers find staging areas under {fs.staging_root()} "
-                             f"($QCONVERT_SHM_ROOT), not {self.root}; refit with root=None")
-        src = f"shm:{self.name}"
         kw = dict(weight_version=weight_version, api_key=self.api_key, verify=self.verify)
         if self.engine == "vllm":
             from qconvert.client.vllm_client import reload_vllm
 
-            return reload_vllm(self.urls, src, pause=self.pause or "wait", **kw)
-        from qconvert.client.sglang_client import reload_sglang
-
-        return reload_sglang(self.urls, src, pause=self.pause or "retract", **kw)
+            return reload_vllm(self.urls, str(self.area), pause=self.pause or "wait", **kw)
+        return []  # SGLang: refused when made with urls
 
     def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> RefitResult:
         """:meth:`stage`, :meth:`commit`, :meth:`reload`."""
