@@ -279,6 +279,10 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         Refitter(demo_moe, _opts(), "x", rank=2, world_size=2)
     with pytest.raises(QConvertError, match="staging name"):
         Refitter(demo_moe, _opts(), "../x")
+    with pytest.raises(RefitError, match="SGLang servers cannot read a refit staging area"):
+        Refitter(demo_moe, _opts(), "x", urls=["http://127.0.0.1:1"], engine="sglang")
+    with pytest.raises(RefitError, match="options.engine 'sglang' .* differs from the servers' engine 'vllm'"):
+        Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang"), "x")
     r = Refitter(demo_moe, _opts(), "x")
     with pytest.raises(RefitError, match="nothing staged"):
         r.commit()
