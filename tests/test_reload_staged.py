@@ -263,6 +263,27 @@ def test_client_picks_staged_rpc_or_stock_reload(demo_dense, shm_root, extension
         assert res[0].load == []
 
 
+def test_client_hashes_the_area_only_with_verify(demo_dense, shm_root):
+    """A reload of ``shm:NAME`` does not sha256 the whole area; ``--verify`` does, and refuses a
+    changed byte before pausing the server."""
+    from qconvert.client.vllm_client import reload_vllm
+
+    area = staging.stage_checkpoint(demo_dense, "d").path
+    f = sorted(area.glob("g*.safetensors"))[-1]
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+    calls: list = []
+    srv = _fake_vllm(True, calls)
+    try:
+        assert reload_vllm([srv.url], "shm:d", retries=0)[0].ok  # not hashed: the worker may verify on request
+        with pytest.raises(staging.StagingError, match=f"{f.name}: checksum mismatch"):
+            reload_vllm([srv.url], "shm:d", retries=0, verify=True)
+        assert calls.count("qconvert_load_staged") == 1
+    finally:
+        srv.close()
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
