@@ -276,3 +276,105 @@ def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypat
     items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
     with pytest.raises(PlanError, match="experts.down_proj"):
         stage_refit(items, reference=demo_moe, stage_name="r")
+
+
+def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
+    """``unshuffle`` of a fused source's pre-shuffled conversion gives the split source's plain
+    conversion (the layout job reads the fused tensors; unshuffle sees per-expert layouts)."""
+    from qconvert.convert.unshuffle import unshuffle_checkpoint
+    convert(str(fused_dirs["in_out_w"]), tmp_path / "lay", opts=_opts("mxfp8", layout="flashinfer-trtllm"))
+    convert(str(demo_moe), tmp_path / "plain", opts=_opts("mxfp8"))
+    unshuffle_checkpoint(tmp_path / "lay", tmp_path / "back")
+    ta, tb = _load_dir(tmp_path / "plain"), _load_dir(tmp_path / "back")
+    assert ta.keys() == tb.keys()
+    for n in ta:
+        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n
+
+
+@pytest.mark.vllm
+def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+    """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
+    CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    pytest.importorskip("vllm")
+    from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
+                                      convert_with_qconvert, make_dequantized)
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    keys = ["auto", "nv_a16"]
+    ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
+    dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
+    jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    for i, k in enumerate(keys):
+        ref, q = res[i], res[len(keys) + i]
+        st, st_ref = q["stages"][0], ref["stages"][0]
+        assert _all_finite(st_ref) and _all_finite(st), k
+        m = compare_logprobs(st_ref["score"], st["score"])
+        # vLLM's quantized CPU MoE (plain-torch experts) against its BF16 MoE kernel: the bound and
+        # reason of tests/test_vllm_cpu_plugin.py::test_equals_bf16_of_qconverts_dequantized_weights
+        assert m["top1_agreement"] >= 0.9 and m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, (k, m)
+        assert q["layers"]["model.layers.0.mlp.experts.routed_experts"] == MOE_METHOD[k], (k, q["layers"])
+        assert q["layers"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod", k
+
+
+@pytest.mark.parametrize("case", ["mxfp8_last1", "nvfp4", "mxfp8_layout"])
+def test_verify_against_fused_source(case, fused_dirs, tmp_path):
+    """``verify`` takes a fused SRC: every per-expert output is checked against its slice of the
+    fused tensor (values, kept bytes, layouts)."""
+    from qconvert.verify import verify
+    src = fused_dirs["in_out_w"]
+    convert(str(src), tmp_path / "q", opts=_opts(**CASES[case]))
+    r = verify(str(src), str(tmp_path / "q"))
+    assert r.ok, r.failures
+    if "layout" not in case:
+        assert any(t.module.endswith(".experts.3.up_proj") for t in r.tensors)
+
+
+def test_verify_catches_wrong_expert_against_fused_source(fused_dirs, tmp_path):
+    """Swapping two experts' quantized gate weights in DST fails verify against the fused SRC."""
+    from safetensors.torch import save_file
+    from qconvert.verify import verify
+    src = fused_dirs["out_in"]
+    q = tmp_path / "q"
+    convert(str(src), q, opts=_opts("mxfp8"))
+    a, b = "model.layers.1.mlp.experts.2.gate_proj.", "model.layers.1.mlp.experts.5.gate_proj."
+    for f in q.glob("*.safetensors"):
+        t = load_file(f)
+        if a + "weight" in t:
+            assert b + "weight" in t  # one layer's experts sit in one shard
+            for s in ("weight", "weight_scale"):
+                t[a + s], t[b + s] = t[b + s], t[a + s]
+            save_file(t, f, metadata={"format": "pt"})
+    r = verify(str(src), str(q))
+    assert not r.ok
+    assert any("experts.2.gate_proj" in x or "experts.5.gate_proj" in x for x in r.failures), r.failures
+
+
+def test_inspect_fused_source(fused_dirs, demo_moe, split_tensors, config, tmp_path):
+    from qconvert.inspect import inspect_checkpoint
+    r = inspect_checkpoint(fused_dirs["in_out_w"])
+    assert r.moe and r.scheme == "bf16"
+    note = [n for n in r.notes if n.startswith("fused expert tensors")]
+    assert note == [f"fused expert tensors: {2 * config['num_hidden_layers']} (…experts.gate_up_proj / down_proj, "
+                    "[E, in, out] (transposed)); qconvert writes them as per-expert experts.{e}.gate_proj/up_proj/"
+                    "down_proj"]
+    assert not any(n.startswith("fused expert tensors") for n in inspect_checkpoint(demo_moe).notes)
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    d = write_like(demo_moe, tmp_path / "gptoss", t, dict(config, architectures=["GptOssForCausalLM"]))
+    assert any(n.startswith("fused expert tensors: qconvert refuses them:") and "gpt-oss" in n
+               for n in inspect_checkpoint(d).notes)
+
+
+def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_path):
+    """The silent pass-through of issue 21 (fused experts kept BF16 but declared quantized) is now
+    a one-line refusal at the command line, with nothing written."""
+    from click.testing import CliRunner
+    from qconvert.cli import main
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    d = write_like(demo_moe, tmp_path / "src", t, dict(config, architectures=["GptOssForCausalLM"]))
+    r = CliRunner().invoke(main, ["mxfp8", str(d), str(tmp_path / "out")])
+    assert r.exit_code == 1
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.layers.0.mlp.experts.gate_up_proj" in lines[0] and "gpt-oss" in lines[0], r.output
+    assert not (tmp_path / "out").exists()

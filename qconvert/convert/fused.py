@@ -268,3 +268,23 @@ def split_stream(named_tensors, config: dict, views: dict[str, View]):
     orient = {v.source: v.orientation for v in views.values()}
     for name, t in named_tensors:
         yield from split_named(name, t, config, orient.get(name, OUT_IN))
+
+
+def source_entries(entries: dict, config: dict, config_path=None) -> tuple[dict, dict[str, View]]:
+    """A checkpoint's tensor entries (name -> entry with ``dtype``, ``shape``, ``nbytes``) with each
+    fused expert tensor replaced by entries of its per-expert matrices, and their views (verify,
+    inspect)."""
+    from types import SimpleNamespace
+    inv, views = expand({n: (e.dtype, tuple(e.shape)) for n, e in entries.items()}, config, config_path)
+    if not views:
+        return entries, {}
+    out = {}
+    for n, (dtype, shape) in inv.items():
+        if n in views:
+            full = entries[views[n].source]
+            out[n] = SimpleNamespace(name=n, dtype=dtype, shape=shape,
+                                     nbytes=full.nbytes // (full.shape[0] * full.shape[1] * full.shape[2])
+                                     * shape[0] * shape[1])
+        else:
+            out[n] = entries[n]
+    return out, views

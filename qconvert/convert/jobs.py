@@ -48,6 +48,8 @@ class BuiltJobs:
     kernel layout (HF experts prefix -> scheme; empty without ``--layout``)."""
     jobs: list[Job]
     layout_layers: dict[str, str] = field(default_factory=dict)
+    #: a quantized source (fp8_source.Fp8BlockSource) the jobs decode, None for BF16 sources
+    source: object = None
 
 
 def non_finite_error(name: str) -> CheckpointError:
@@ -144,15 +146,13 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
 
 def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
     """Calibrated activation scales (decode convention) from an existing NVFP4 checkpoint."""
-    from .safetensors_io import read_header
     root = Path(path).expanduser()
-    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
-    if not files:
+    if not root.is_dir() or not any(root.glob("*.safetensors")):
         raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
+    from .checkpoint import open_checkpoint
     found: dict[str, torch.Tensor] = {}
-    from .checkpoint import guard
-    for f in files:
-        h = read_header(guard(root, f))  # inside that checkpoint, a regular file
+    for h in open_checkpoint(root, strict=False, require_config=False).shards:  # guarded, headers validated
+        f = h.path
         names = [n for n in h.entries if n.endswith((".input_scale", ".input_global_scale"))]
         if not names:
             continue
@@ -361,8 +361,9 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
         # Experts are laid out chunk by chunk (the layout moves rows within each expert; only
         # NVFP4's scalars span a rank's experts), each chunk into its slice of the outputs, the
         # chunks side by side on all cores (CPU), as the plain jobs run one per core.
-        out = {rq: {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in params if name not in scalars}
-               for rq, params in specs.items()}
+        # on the job's device: a GPU job's outputs leave it once, whole (the writer / refit copy)
+        out = {rq: {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in params
+                    if name not in scalars} for rq, params in specs.items()}
         per_expert = {"w13_weight_scale_2": (n_exp, 2), "w2_weight_scale_2": (n_exp,), "w13_input_scale": (n_exp, 2),
                       "w2_input_scale": (n_exp,)} if scalars else {}
         nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}

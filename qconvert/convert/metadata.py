@@ -36,18 +36,9 @@ def _write_json(path: Path, obj):
 
 def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers: dict[str, str], scheme: str,
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
-                   created: str | None = None):
-    config = dict(ckpt.config)
-    if scheme == "mxfp8":
-        qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
-    elif scheme == "nvfp4":
-        qcfg, extra = dialects.nvfp4_quant_config(plan.exclusions, dialect, opts.input_mode)
-    elif scheme == "bf16":
-        qcfg, extra = None, {}
-    else:
-        raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
-    if qcfg is not None:
-        config["quantization_config"] = qcfg
+                   created: str | None = None, source=None):
+    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
+    config, extra = output_config(ckpt.config, plan, scheme, dialect, opts)
     _write_json(tmp / "config.json", config)
     for fname, obj in extra.items():
         _write_json(tmp / fname, obj)
@@ -76,7 +67,8 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                    "sha256": {n: d for n, d in input_sha.items() if d},
                    **({} if all(input_sha.values()) else
                       {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                       else "not recorded (--no-source-checksums)"})},
+                       else "not recorded (--no-source-checksums)"}),
+                   **({} if source is None else {"quantized": source.manifest()})},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         "non_finite_allowed": bool(opts.allow_non_finite),
         "bf16_layers": plan.bf16_layers,
@@ -85,27 +77,60 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                     **({} if all(output_sha.values()) else {"sha256_note": "not recorded (--no-checksums)"})},
         "tensors": {},
     }
-    if scheme == "mxfp8":
-        manifest["recipe"] = "rceil"
-        manifest["scale_rule"] = MXFP8_SCALE_RULE
-        manifest["zero_block_scale_byte"] = 1
-        manifest["zero_block_policy"] = MXFP8_ZERO_POLICY
-    if scheme == "nvfp4":
-        manifest["recipe"] = opts.recipe
-        manifest["scale_rule"] = NVFP4_SCALE_RULE[opts.recipe]
-        div = int(global_div(opts.recipe))
-        manifest["global_scale"] = (f"weight_scale_2 = group amax / {div} (decode)" if dialect == "modelopt"
-                                    else f"weight_global_scale = {div} / group amax (encode)")
-        manifest["fused_groups_share_global_scale"] = ["q/k/v", "dense gate/up", "expert gate/up"]
-        manifest["activations"] = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
-                                   "copied": f"W4A4 with input scales copied from {opts.input_scales_from}"}[opts.input_mode]
+    manifest.update(scheme_keys(scheme, dialect, opts))
     if opts.layout:
         from .layout_jobs import layout_manifest
         manifest["layout"] = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
+    manifest["tensors"] = module_formats(plan, scheme, source)
+    _write_json(tmp / MANIFEST_NAME, manifest)
+
+
+
+def scheme_keys(scheme: str, dialect: str, opts: ConvertOptions) -> dict:
+    """The manifest's keys that say how the scheme was applied (recipe, scale rule, activations)."""
+    out: dict = {}
+    if scheme == "mxfp8":
+        out["recipe"] = "rceil"
+        out["scale_rule"] = MXFP8_SCALE_RULE
+        out["zero_block_scale_byte"] = 1
+        out["zero_block_policy"] = MXFP8_ZERO_POLICY
+    if scheme == "nvfp4":
+        out["recipe"] = opts.recipe
+        out["scale_rule"] = NVFP4_SCALE_RULE[opts.recipe]
+        div = int(global_div(opts.recipe))
+        out["global_scale"] = (f"weight_scale_2 = group amax / {div} (decode)" if dialect == "modelopt"
+                               else f"weight_global_scale = {div} / group amax (encode)")
+        out["fused_groups_share_global_scale"] = ["q/k/v", "dense gate/up", "expert gate/up"]
+        out["activations"] = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
+                              "copied": f"W4A4 with input scales copied from {opts.input_scales_from}"}[opts.input_mode]
+    return out
+
+
+def module_formats(plan: Plan, scheme: str, source=None) -> dict:
+    """The manifest's ``tensors``: each module's format, shape and the plan's reason."""
+    out = {}
     for name, tp in plan.tensors.items():
         if tp.module is None:
             continue
-        manifest["tensors"][tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
-                                          "shape": list(tp.shape), "reason": tp.reason}
-    _write_json(tmp / MANIFEST_NAME, manifest)
+        out[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16", "shape": list(tp.shape),
+                          "reason": tp.reason}
+        if source is not None and tp.module in source.paths:
+            out[tp.module]["source_path"] = source.paths[tp.module]
+    return out
 
+
+def output_config(config: dict, plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> tuple[dict, dict]:
+    """(config.json of the output: the source's with the dialect's ``quantization_config``, the
+    dialect's extra files {name: JSON object})."""
+    config = dict(config)
+    if scheme == "mxfp8":
+        qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
+    elif scheme == "nvfp4":
+        qcfg, extra = dialects.nvfp4_quant_config(plan.exclusions, dialect, opts.input_mode)
+    elif scheme == "bf16":
+        qcfg, extra = None, {}
+    else:
+        raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    if qcfg is not None:
+        config["quantization_config"] = qcfg
+    return config, extra

@@ -18,25 +18,22 @@ from ..errors import CheckpointError, OutputError
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
-from .safetensors_io import ShardReader, ShardWriter, read_header, sha256_file
+from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
-    from .checkpoint import guard, read_member_json
+    from .checkpoint import MANIFEST_NAME, guard, manifest_layout, open_checkpoint
     from .destination import check_dst as _check_dst, install as _install
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
     _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it
-    man_path = src / "qconvert.json"
-    try:
-        if not os.path.lexists(man_path):
-            raise FileNotFoundError
-        manifest = read_member_json(src, man_path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{man_path}: missing; unshuffle needs a checkpoint written by qconvert --layout") from None
-    layout = manifest.get("layout")
+    ck = open_checkpoint(src, strict=False)  # guarded: config, index, shard headers
+    manifest = ck.manifest
+    if manifest is None:
+        raise CheckpointError(f"{src / MANIFEST_NAME}: missing; unshuffle needs a checkpoint written by qconvert --layout")
+    layout = manifest_layout(manifest)
     if not layout:
-        raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its qconvert.json has no layout section)")
+        raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its {MANIFEST_NAME} has no layout section)")
     engine, tp, ep = layout["engine"], layout["tp"], layout["ep"]
     dialect = manifest.get("dialect")
     scale_suffix = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
@@ -59,8 +56,8 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     weight_map: dict[str, str] = {}
     total = 0
     try:
-        for f in sorted(src.glob("*.safetensors")):
-            h = read_header(guard(src, f))
+        for h in ck.shards:
+            f = h.path
             tensors: dict[str, torch.Tensor] = {}
             with ShardReader(h, hash_file=False) as r:
                 for e, t in r.iter_tensors():
@@ -116,7 +113,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 n_tensors += 1
             w.close()
         for p in sorted(src.iterdir()):
-            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, "qconvert.json"):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, MANIFEST_NAME):
                 shutil.copy2(guard(src, p), tmp / p.name)
         if (src / INDEX_NAME).exists():
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
@@ -125,7 +122,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
         manifest.pop("layout")
         manifest["unshuffled_from"] = str(src)
         manifest["outputs"] = {"sha256": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}}
-        (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(tmp, dst, force)  # the old DST moved aside, restored if the rename fails
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

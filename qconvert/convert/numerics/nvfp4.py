@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from . import cpu_kernels
+from .pool import run_all
 
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
@@ -228,7 +229,7 @@ def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float32, np.float32]:
     """``(scale_2, k0, k1)`` for the C kernel from the global amax ``g``, as numpy fp32 scalars: the
-    IEEE fp32 operations of :func:`_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
+    IEEE fp32 operations of :func:`recipe_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
     fl32(1/6)``, ``k1 = S_dec``) or :func:`modelopt_tensor_divisor` (modelopt: ``k0 = 6 * scale_2``,
     ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
     3 MB expert's time on a 2-core machine)."""
@@ -290,7 +291,7 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     return _f32(global_amax, dev)
 
 
-def _scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
+def recipe_scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
     dev = g.device
     div = global_div(recipe)
     scale_2 = nvfp4_scale_2(g, div)
@@ -387,9 +388,10 @@ CPU_CHUNK_BLOCKS = 8192
 SMALL_BLOCKS = 1024
 
 
-def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
-    """Chunks of CPU_CHUNK_BLOCKS handed out to ``workers`` threads (single-threaded in torch),
-    as mxfp8.py does: one OpenMP fork/join per small op would cost more than the op."""
+def quantize_cpu_chain(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
+    """The op chain on CPU blocks ``xb [n, 16]``: chunks of CPU_CHUNK_BLOCKS handed out to
+    ``workers`` threads of the shared pool (``pool.py``), single-threaded in torch, as mxfp8.py
+    does. What the C kernel's self-check compares with."""
     import threading
 
     n = xb.shape[0]
@@ -410,8 +412,6 @@ def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
                 return
             _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
 
-    from .cpu_kernels import run_all
-
     workers = max(1, workers)
     run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
 
@@ -424,7 +424,7 @@ def nvfp4_quantize_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te")
     :func:`compiled_nvfp4_blocks`) specializes it once per distinct block count, a handful per
     model (q/o, k/v, each expert matrix).
     """
-    scale_2 = _scale_2(g, recipe)
+    scale_2 = recipe_scale_2(g, recipe)
     n = xb.shape[0]
     packed = torch.empty(n, NVFP4_BLOCK // 2, dtype=torch.uint8, device=xb.device)
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
@@ -475,13 +475,13 @@ def nvfp4_quantize(
         return packed, scale, torch.tensor(scale_2, dtype=torch.float32)
     g = _global_amax(x, global_amax)
     if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:
-        scale_2 = _scale_2(g, recipe)
+        scale_2 = recipe_scale_2(g, recipe)
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=dev)
         scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
         if xb.shape[0]:
             pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
             if dev.type == "cpu":
-                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, w)
+                quantize_cpu_chain(xb, g, scale_2, recipe, pv, sv, w)
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2
