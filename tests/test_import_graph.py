@@ -43,7 +43,6 @@ PENDING: dict[tuple[str, str], str] = {
     ("qconvert.convert.fp8_source", "qconvert.convert.jobs"): "h-quant: fp8_source._wrap imports jobs.Job",
     # landed by the refit work while this test was written (trainer/refit.py reads staging's
     # helpers); client/staging.py and formats/staging.py are being edited by h-refit and h-serve
-    ("qconvert.trainer.refit", "qconvert.client.staging._read_guarded"): "h-refit: make public in staging",
     ("qconvert.trainer.refit", "qconvert.client.staging._TORCH_TO_TAG"): "h-refit: make public in staging",
     ("qconvert.trainer.refit", "qconvert.formats.staging._EXTRA_RE"): "h-refit: make public in formats.staging",
     ("qconvert.verify", "qconvert.convert.plan._classify"): "h-formats: plan/verify read formats/",

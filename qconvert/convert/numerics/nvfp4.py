@@ -97,6 +97,16 @@ def encode_global_scale(g, recipe: str) -> np.float32:
     with np.errstate(all="ignore"):
         return np.minimum(np.float32(global_div(recipe)) / gf, _NP_FLT_MAX) if gf > 0 else np.float32(1.0)
 
+
+def encode_global_scale_tensor(g: torch.Tensor, recipe: str) -> torch.Tensor:
+    """:func:`encode_global_scale` on ``g``'s device, as a 1-element fp32 tensor: the same fp32
+    division (tensor by tensor, IEEE round to nearest; ``scalar / tensor`` would be a reciprocal
+    and a product), clamp and zero rule, with no host sync (a GPU refit has one per fused group)."""
+    g = g.reshape(1).float()
+    q = torch.full_like(g, float(global_div(recipe))) / g
+    return torch.where(g > 0, torch.clamp(q, max=_FLT_MAX), torch.ones_like(g))
+
+
 _FLT_MAX = torch.finfo(torch.float32).max
 _NP_FLT_MAX = np.float32(_FLT_MAX)
 _E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
