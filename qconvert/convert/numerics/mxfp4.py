@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .nvfp4 import _e2m1_code_i32, e2m1_to_float, unpack_fp4
+from .nvfp4 import e2m1_signed_code, e2m1_to_float, unpack_fp4
 
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -68,7 +68,7 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, e8m0: torch.Tensor, k_max: int | None =
     amax = torch.ldexp(e2m1_to_float(nib & 0x7).amax(dim=-1), k.float())
     s = (amax / (6.0 * scale_2)).clamp(min=2.0**-9, max=448.0).to(torch.float8_e4m3fn)
     div = (s.float() * scale_2).unsqueeze(-1)
-    req_codes = _e2m1_code_i32((x / div).contiguous(), te_sign=False).to(torch.uint8)
+    req_codes = e2m1_signed_code(x / div, te_sign=False)
 
     codes = torch.where(lossless.unsqueeze(-1), kept_codes, req_codes).reshape(*packed.shape[:-1], -1)
     scale = torch.where(lossless, kept_scale, s.view(torch.uint8))
