@@ -123,10 +123,13 @@ def _opts(scheme, last_n_bf16=0, layout=None, input_mode="weight-only"):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("form", ["out_in", "in_out_w"])
-def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path):
+def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, monkeypatch):
     """Converting the fused checkpoint gives every output tensor, and the quantization config,
     byte for byte as converting the split checkpoint."""
     kw = CASES[case]
+    if form == "in_out_w":  # every job on the dispatch thread: a merged job's parts run side by side
+        from qconvert.convert import kernels
+        monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 0)
     a = convert(str(demo_moe), tmp_path / "split", opts=_opts(**kw))
     b = convert(str(fused_dirs[form]), tmp_path / "fused", opts=_opts(**kw))
     ta, tb = _load_dir(tmp_path / "split"), _load_dir(tmp_path / "fused")
@@ -377,4 +380,19 @@ def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_pat
     assert r.exit_code == 1
     lines = [x for x in r.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "model.layers.0.mlp.experts.gate_up_proj" in lines[0] and "gpt-oss" in lines[0], r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, config, tmp_path):
+    """A NaN inside a fused tensor: a fresh ``qconvert`` process exits 1 with one line naming the
+    fused tensor the user has and the expert, not a per-expert name that is not in the files."""
+    from test_hostile_convert import assert_one_line, cli
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    n = "model.layers.1.mlp.experts.gate_up_proj"
+    t[n] = t[n].clone()
+    t[n][5, config["moe_intermediate_size"] + 3, 7] = float("nan")  # expert 5, up half
+    d = write_like(demo_moe, tmp_path / "src", t)
+    r = cli("mxfp8", str(d), str(tmp_path / "out"))
+    line = assert_one_line(r, 1, "NaN")
+    assert f"'{n}' (expert 5, up_proj)" in line, line
     assert not (tmp_path / "out").exists()

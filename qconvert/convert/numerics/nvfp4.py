@@ -97,6 +97,16 @@ def encode_global_scale(g, recipe: str) -> np.float32:
     with np.errstate(all="ignore"):
         return np.minimum(np.float32(global_div(recipe)) / gf, _NP_FLT_MAX) if gf > 0 else np.float32(1.0)
 
+
+def encode_global_scale_tensor(g: torch.Tensor, recipe: str) -> torch.Tensor:
+    """:func:`encode_global_scale` on ``g``'s device, as a 1-element fp32 tensor: the same fp32
+    division (tensor by tensor, IEEE round to nearest; ``scalar / tensor`` would be a reciprocal
+    and a product), clamp and zero rule, with no host sync (a GPU refit has one per fused group)."""
+    g = g.reshape(1).float()
+    q = torch.full_like(g, float(global_div(recipe))) / g
+    return torch.where(g > 0, torch.clamp(q, max=_FLT_MAX), torch.ones_like(g))
+
+
 _FLT_MAX = torch.finfo(torch.float32).max
 _NP_FLT_MAX = np.float32(_FLT_MAX)
 _E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -160,6 +170,12 @@ def _e2m1_code_i32(v: torch.Tensor, te_sign: bool, bufs=None) -> torch.Tensor:
     torch.bitwise_right_shift(a, c(22), out=odd).bitwise_and_(c(1))
     a.add_(odd).add_(_HI_BIAS).bitwise_right_shift_(c(22))
     return a.add_(lo).add_(_LO_BIAS).bitwise_or_(sign)
+
+
+def e2m1_signed_code(v: torch.Tensor, te_sign: bool) -> torch.Tensor:
+    """Signed E2M1 codes (uint8, 0..15) of fp32 ``v`` (not modified): RNE, saturating at 6; the
+    sign as ``_e2m1_code_i32`` takes it (``te_sign``: the sign bit; else ``v < 0``)."""
+    return _e2m1_code_i32(v.float().contiguous().clone(), te_sign).to(torch.uint8)
 
 
 def e2m1_magnitude_code(a: torch.Tensor) -> torch.Tensor:
