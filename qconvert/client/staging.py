@@ -44,6 +44,7 @@ import torch
 
 from qconvert.convert.safetensors_io import sha256_file
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
 
 ALIGN = 256
 MANIFEST = "qconvert-staging.json"
@@ -114,7 +115,7 @@ def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int
 def read_layout(root: Path) -> dict | None:
     """The kernel-layout contract of a pre-shuffled qconvert checkpoint (``qconvert.json`` ``layout``)."""
     try:
-        info = json.loads((Path(root) / "qconvert.json").read_text())
+        info = json.loads((Path(root) / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
     lay = info.get("layout") if isinstance(info, dict) else None

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..formats.dialects import HF_QUANT_CONFIG
+from ..formats.manifest import MANIFEST_NAME
 from .safetensors_io import Header, TensorEntry, file_kind, open_regular, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Files of a source checkpoint that are rewritten, not copied.
-REWRITTEN = {"config.json", INDEX_NAME, "hf_quant_config.json", "qconvert.json"}
+REWRITTEN = {"config.json", INDEX_NAME, HF_QUANT_CONFIG, MANIFEST_NAME}
 
 
 @dataclass

@@ -10,22 +10,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..errors import QConvertError
-from . import dialects
+from ..formats import dialects, manifest as _manifest
+from ..formats.manifest import MANIFEST_NAME
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint
 from .jobs import Job, out_nbytes, source_for_outputs
 from .options import ConvertOptions
 from .plan import QUANTIZE, Plan
-
-MANIFEST_NAME = "qconvert.json"
-MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (docs/formats.md#mxfp8-scale-rule)"
-NVFP4_SCALE_RULE = {
-    "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
-    "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
-}
-MXFP8_ZERO_POLICY = "E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 (all-zero blocks) differ from online quantizers"
-
 
 
 def _write_json(path: Path, obj):
@@ -36,14 +27,7 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
                    created: str | None = None):
     config = dict(ckpt.config)
-    if scheme == "mxfp8":
-        qcfg, extra = dialects.mxfp8_quant_config(plan.exclusions, dialect)
-    elif scheme == "nvfp4":
-        qcfg, extra = dialects.nvfp4_quant_config(plan.exclusions, dialect, opts.input_mode)
-    elif scheme == "bf16":
-        qcfg, extra = None, {}
-    else:
-        raise QConvertError(f"scheme {scheme!r} is not implemented in this version")
+    qcfg, extra = dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
     if qcfg is not None:
         config["quantization_config"] = qcfg
     _write_json(tmp / "config.json", config)
@@ -64,45 +48,27 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
     for p in ckpt.extra_files:  # files of SRC, subfolders too, guarded (checkpoint.extra_members)
         shutil.copy2(p, tmp / p.relative_to(ckpt.root))
 
-    manifest = {
-        "qconvert_version": __version__,
-        "created": created or _resume.created_timestamp(),
-        "scheme": scheme,
-        "dialect": dialect,
-        "engines": dialects.engines_for(scheme, dialect),
-        "source": {"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
-                   "sha256": {n: d for n, d in input_sha.items() if d},
-                   **({} if all(input_sha.values()) else
-                      {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                       else "not recorded (--no-source-checksums)"})},
-        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
-        "non_finite_allowed": bool(opts.allow_non_finite),
-        "bf16_layers": plan.bf16_layers,
-        "exclusions": plan.exclusions,
-        "outputs": {"sha256": {n: d for n, d in output_sha.items() if d},
-                    **({} if all(output_sha.values()) else {"sha256_note": "not recorded (--no-checksums)"})},
-        "tensors": {},
-    }
-    if scheme == "mxfp8":
-        manifest["recipe"] = "rceil"
-        manifest["scale_rule"] = MXFP8_SCALE_RULE
-        manifest["zero_block_scale_byte"] = 1
-        manifest["zero_block_policy"] = MXFP8_ZERO_POLICY
-    if scheme == "nvfp4":
-        manifest["recipe"] = opts.recipe
-        manifest["scale_rule"] = NVFP4_SCALE_RULE[opts.recipe]
-        manifest["global_scale"] = ("weight_scale_2 = group amax / 2688 (decode)" if dialect == "modelopt"
-                                    else "weight_global_scale = 2688 / group amax (encode)")
-        manifest["fused_groups_share_global_scale"] = ["q/k/v", "dense gate/up", "expert gate/up"]
-        manifest["activations"] = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
-                                   "copied": f"W4A4 with input scales copied from {opts.input_scales_from}"}[opts.input_mode]
+    layout = None
     if opts.layout:
         from .layout_jobs import layout_manifest
-        manifest["layout"] = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
+        layout = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
+    tensors = {}
     for name, tp in plan.tensors.items():
         if tp.module is None:
             continue
-        manifest["tensors"][tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
-                                          "shape": list(tp.shape), "reason": tp.reason}
+        tensors[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
+                              "shape": list(tp.shape), "reason": tp.reason}
+    manifest = _manifest.build(
+        version=__version__, created=created or _resume.created_timestamp(), scheme=scheme, dialect=dialect,
+        source={"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
+                "sha256": {n: d for n, d in input_sha.items() if d},
+                **({} if all(input_sha.values()) else
+                   {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
+                    else "not recorded (--no-source-checksums)"})},
+        options={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
+        non_finite_allowed=opts.allow_non_finite, bf16_layers=plan.bf16_layers, exclusions=plan.exclusions,
+        output_sha=output_sha, output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",
+        recipe=opts.recipe, input_mode=opts.input_mode, input_scales_from=opts.input_scales_from,
+        layout=layout, tensors=tensors)
     _write_json(tmp / MANIFEST_NAME, manifest)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, OutputError
+from ..formats.dialects import NVFP4_SCALAR_SUFFIXES, mxfp8_scale_suffix
+from ..formats.manifest import LAYOUT_KEY, MANIFEST_NAME, layout_section
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
@@ -27,19 +29,19 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
     _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it
-    man_path = src / "qconvert.json"
+    man_path = src / MANIFEST_NAME
     try:
         if not os.path.lexists(man_path):
             raise FileNotFoundError
         manifest = read_member_json(src, man_path)
     except FileNotFoundError:
         raise CheckpointError(f"{man_path}: missing; unshuffle needs a checkpoint written by qconvert --layout") from None
-    layout = manifest.get("layout")
+    layout = layout_section(manifest)
     if not layout:
-        raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its qconvert.json has no layout section)")
+        raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its {MANIFEST_NAME} has no layout section)")
     engine, tp, ep = layout["engine"], layout["tp"], layout["ep"]
     dialect = manifest.get("dialect")
-    scale_suffix = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
+    scale_suffix = mxfp8_scale_suffix(dialect)
     layer_scheme: dict[str, str] = layout["layers"]
     contracts = layout["contracts"]
     for sch in set(layer_scheme.values()):
@@ -99,7 +101,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                                                      hidden_size=c["hidden_size"], tp=tp, ep=ep)
                 per_expert = trtllm.unstack_hf_experts(plain, prefix, scale_suffix=scale_suffix)
                 if scheme == "nvfp4" and dialect == "modelopt":
-                    per_expert = {k: (v.reshape(()) if k.endswith(("weight_scale_2", "input_scale")) else v)
+                    per_expert = {k: (v.reshape(()) if k.endswith(NVFP4_SCALAR_SUFFIXES) else v)
                                   for k, v in per_expert.items()}
                 # natural order: expert, then gate/up/down, then suffix
                 def key(k):
@@ -116,16 +118,16 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 n_tensors += 1
             w.close()
         for p in sorted(src.iterdir()):
-            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, "qconvert.json"):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, MANIFEST_NAME):
                 shutil.copy2(guard(src, p), tmp / p.name)
         if (src / INDEX_NAME).exists():
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                       "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         manifest = dict(manifest)
-        manifest.pop("layout")
+        manifest.pop(LAYOUT_KEY)
         manifest["unshuffled_from"] = str(src)
         manifest["outputs"] = {"sha256": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}}
-        (tmp / "qconvert.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(tmp, dst, force)  # the old DST moved aside, restored if the rename fails
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

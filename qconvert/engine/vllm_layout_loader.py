@@ -58,12 +58,13 @@ import torch
 
 from qconvert.engine import PRESHUFFLED_RPC
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
 
 log = logging.getLogger("qconvert.vllm_layout_loader")
 
 #: worker-extension method name (``/collective_rpc`` ``method``)
 RPC_METHOD = PRESHUFFLED_RPC
-MANIFEST = "qconvert.json"
+MANIFEST = MANIFEST_NAME
 ENGINE = "vllm"
 TRTLLM_BACKEND = "FLASHINFER_TRTLLM"
 _LOOKUP = object()  # flashinfer_version default: look up the installed one

@@ -34,6 +34,7 @@ from typing import Iterable
 import torch
 
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
 from qconvert.client import staging
 
 
@@ -59,21 +60,15 @@ def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, t
 
 
 def _quant_config(scheme: str, plan, dialect: str, opts) -> tuple[dict | None, dict]:
-    from qconvert.convert import dialects
+    from qconvert.formats import dialects
 
-    if scheme == "mxfp8":
-        return dialects.mxfp8_quant_config(plan.exclusions, dialect)
-    if scheme == "nvfp4":
-        return dialects.nvfp4_quant_config(plan.exclusions, dialect, opts.input_mode)
-    if scheme == "bf16":
-        return None, {}
-    raise QConvertError(f"scheme {scheme!r} is not implemented")
+    return dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
 
 
 def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str | os.PathLike,
                 stage_name: str, options=None, root: Path | None = None) -> RefitResult:
     """Quantize ``named_tensors`` with the converter's plan for ``reference`` and stage them as ``stage_name``."""
-    from qconvert.convert import dialects
+    from qconvert.formats import dialects
     from qconvert.convert.pipeline import ConvertOptions, build_jobs
     from qconvert.convert.plan import build_plan
 
@@ -147,7 +142,7 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
         ref = Path(reference)
         for p in sorted(ref.iterdir()):
             if (p.is_file() and p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken")
-                    and p.name not in ("config.json", staging.INDEX, staging.MANIFEST, "qconvert.json")
+                    and p.name not in ("config.json", staging.INDEX, staging.MANIFEST, MANIFEST_NAME)
                     and p.name not in extra):
                 w.add_file(p.name, p.read_bytes())
         area = w.commit()
