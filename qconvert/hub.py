@@ -441,7 +441,7 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
         L.append(f"`qconvert verify` {'passed' if v.ok else 'FAILED'}: {len(v.tensors)} quantized tensors dequantized and "
                  f"compared with the BF16 source, {v.kept_identical} BF16 tensors byte-identical; config, index, "
                  "manifest checksums and exclusion list consistent." if v.ok else
-                 f"`qconvert verify` FAILED ({len(v.failures)} problems); pushed with --force.")
+                 f"`qconvert verify` FAILED ({len(v.failures)} problems); pushed with --allow-unverified.")
         L.append("")
         L.append("| module group | format | tensors | rel. error mean | rel. error max | min SQNR |")
         L.append("|---|---|---|---|---|---|")
@@ -534,7 +534,7 @@ def _source_of(dst: Path) -> str | None:
 
 
 def push(dst: str | os.PathLike, repo_id: str, *, private: bool = False, revision: str | None = None,
-         token: str | None = None, force: bool = False, src: str | None = None, base_model: str | None = None,
+         token: str | None = None, allow_unverified: bool = False, src: str | None = None, base_model: str | None = None,
          max_rel_err: float | None = None, verify_report=None, progress: bool | None = None,
          log: Callable[[str], None] | None = None) -> str:
     """Verify ``dst`` (unless a report is given), build README.md (the card) and qconvert-verify.json
@@ -554,18 +554,19 @@ def push(dst: str | os.PathLike, repo_id: str, *, private: bool = False, revisio
     if vr is None:
         src = src or _source_of(dst)
         if src is None:
-            if not force:
+            if not allow_unverified:
                 raise QConvertError(f"{dst}: cannot verify before pushing because the BF16 source is unknown; "
-                                    "pass --src SRC (or --force to push unverified)")
-            log("push: not verified (no source); --force")
+                                    "pass --src SRC (or --allow-unverified to push unverified)")
+            log("push: not verified (no source); --allow-unverified")
         else:
             log(f"push: verifying {dst} against {src}")
             vr = verify(src, str(dst), max_rel_err=max_rel_err, progress=progress, log=log)
             log(format_report(vr))
     if vr is not None and not vr.ok:
-        if not force:
-            raise QConvertError(f"{dst}: verify failed ({vr.failures[0]}); fix the checkpoint, or pass --force to push it anyway")
-        log(f"push: verify failed ({len(vr.failures)} problems); pushing anyway (--force)")
+        if not allow_unverified:
+            raise QConvertError(f"{dst}: verify failed ({vr.failures[0]}); fix the checkpoint, or pass "
+                                "--allow-unverified to push it anyway")
+        log(f"push: verify failed ({len(vr.failures)} problems); pushing anyway (--allow-unverified)")
     card = render_card(dst, repo_id, verify_report=vr, base_model=base_model, revision=revision,
                        source_text=source_text, report=rep, log=log)
     extra = {"README.md": card.encode("utf-8")}

@@ -852,7 +852,7 @@ class _Verifier:
         (q/k/v, gate/up share one), block scales and codes by the recorded recipe. Every byte must
         equal a fresh quantization: a global scale off in its lowest bit, or DST made from other
         weights, fails here although its error figures look fine."""
-        from .convert.numerics.nvfp4 import nvfp4_quantize
+        from .convert.numerics.nvfp4 import encode_global_scale, nvfp4_quantize
 
         members = self._nvfp4_groups.get(m.name, [m.name])
         g = np.max(np.array([self._source_amax(n) for n in members], dtype=np.float32))
@@ -861,9 +861,7 @@ class _Verifier:
             sfx, want = WEIGHT_SCALE_2, scale_2.float().reshape(1)
         else:  # compressed-tensors' encode convention, as the writer computes it from the group amax
             sfx = WEIGHT_GLOBAL_SCALE
-            with np.errstate(all="ignore"):
-                enc = np.minimum(np.float32(2688.0) / g, np.float32(np.finfo(np.float32).max)) if g > 0 else np.float32(1)
-            want = torch.tensor([enc], dtype=torch.float32)
+            want = torch.tensor([encode_global_scale(g, recipe)], dtype=torch.float32)
         stored = ts.get(sfx)
         q = _nvfp4_codes(ts)
         if stored is None or stored.dtype != torch.float32 or stored.numel() != 1 or q is None \

@@ -305,12 +305,12 @@ def test_push_refuses_checkpoint_failing_verify(demo, tmp_path, hub):
     name = "model.layers.0.self_attn.v_proj.weight_scale"
     f, off, _ = tensor_location(dst, name)
     patch_bytes(f, off, bytes([f.read_bytes()[off] + 2]))
-    with pytest.raises(QConvertError, match=r"verify failed .*" + re.escape(name) + ".*--force"):
+    with pytest.raises(QConvertError, match=r"verify failed .*" + re.escape(name) + ".*--allow-unverified"):
         push(dst, "org/bad", src=str(demo["bf16"]))
     assert hub.repos == {} and hub.commits == []
-    push(dst, "org/bad", src=str(demo["bf16"]), force=True)
+    push(dst, "org/bad", src=str(demo["bf16"]), allow_unverified=True)
     readme = hub.repos["org/bad"]["branches"]["main"]["README.md"].decode()
-    assert "`qconvert verify` FAILED" in readme and "pushed with --force" in readme
+    assert "`qconvert verify` FAILED" in readme and "pushed with --allow-unverified" in readme
 
 
 def test_push_needs_source_or_force(demo, tmp_path, hub):
@@ -407,14 +407,39 @@ def test_card_base_model_local_and_hub_sources(demo, tmp_path):
         render_card(hub_src, "org/x", base_model="Org/Other) [x](javascript:1)")
 
 
-def test_push_force_unverified_does_not_send_a_stale_verify_report(demo, tmp_path, hub):
+def test_push_unverified_does_not_send_a_stale_verify_report(demo, tmp_path, hub):
     dst = shutil.copytree(demo["auto"], tmp_path / "stale")
     (dst / "qconvert-verify.json").write_text('{"ok": true, "stale": true}\n')  # left by an older push
     man = json.loads((dst / "qconvert.json").read_text())
     man["source"]["id"] = str(tmp_path / "gone")
     (dst / "qconvert.json").write_text(json.dumps(man))
-    push(dst, "org/stale", force=True)
+    push(dst, "org/stale", allow_unverified=True)
     files = hub.repos["org/stale"]["branches"]["main"]
     assert "qconvert-verify.json" not in files
     assert "Not verified against the source" in files["README.md"].decode()
     assert (dst / "qconvert-verify.json").read_text() == '{"ok": true, "stale": true}\n'
+
+
+@pytest.mark.parametrize("flag,note", [("--allow-unverified", False), ("--force", True), (None, None)],
+                         ids=["allow-unverified", "deprecated-force", "neither"])
+def test_cli_push_allow_unverified_and_deprecated_force(flag, note, demo, tmp_path, hub):
+    """`push --allow-unverified` pushes a checkpoint that cannot be verified; `--force`, its old
+    spelling, does the same after a one-line deprecation note; neither refuses, naming the new flag."""
+    from click.testing import CliRunner
+
+    from qconvert.cli import main
+
+    dst = shutil.copytree(demo["auto"], tmp_path / "unv")
+    man = json.loads((dst / "qconvert.json").read_text())
+    man["source"]["id"] = str(tmp_path / "gone")
+    (dst / "qconvert.json").write_text(json.dumps(man))
+    r = CliRunner().invoke(main, ["push", str(dst), "org/unv", "--no-progress", *([flag] if flag else [])])
+    notes = [line for line in r.stderr.splitlines() if "deprecated" in line]
+    if flag is None:
+        assert r.exit_code == 1 and "--allow-unverified" in r.output and "org/unv" not in hub.repos
+        assert notes == []
+        return
+    assert r.exit_code == 0, r.output
+    assert notes == (["note: `qconvert push --force` is deprecated and goes in the next release; "
+                      "use --allow-unverified"] if note else [])
+    assert "Not verified against the source" in hub.repos["org/unv"]["branches"]["main"]["README.md"].decode()

@@ -1,9 +1,13 @@
 """Every option of the ``qconvert`` commands, declared once, with one meaning; the command modules
-stack them with :func:`options`. Imports only click (the CLI checks arguments before torch loads)."""
+stack them with :func:`options`. Imports only click and the pure :mod:`qconvert.formats` (the CLI checks arguments
+before torch loads)."""
 
 from __future__ import annotations
 
 import click
+
+from ..formats.dialects import DIALECTS
+from ..formats.schemes import NVFP4_RECIPES
 
 
 def options(*decorators):
@@ -28,8 +32,22 @@ def given(ctx: click.Context, name: str) -> bool:
 
 #: convert commands, unshuffle, demo: what to do with an existing output directory
 FORCE = click.option("--force", is_flag=True, help="Replace DST if it exists (only after the new output is complete).")
-#: push: the one other --force (hub.py's messages name it): push although verify failed or could not run
-FORCE_PUSH = click.option("--force", is_flag=True, help="Push even if verify fails or cannot run.")
+
+
+def _deprecated_force(ctx: click.Context, param: click.Parameter, value):
+    """``push --force``, the spelling before --allow-unverified: still works for one release."""
+    if value:
+        click.echo("note: `qconvert push --force` is deprecated and goes in the next release; "
+                   "use --allow-unverified", err=True)
+    return value
+
+
+#: push: push although verify failed or could not run (``--force`` means "replace DST" everywhere else)
+ALLOW_UNVERIFIED = options(
+    click.option("--allow-unverified", is_flag=True, help="Push even if verify fails or cannot run."),
+    click.option("--force", "old_force", is_flag=True, hidden=True, callback=_deprecated_force,
+                 help="Deprecated spelling of --allow-unverified."),
+)
 PROGRESS = click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
 JSON = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 MAX_REL_ERR = click.option("--max-rel-err", type=float, default=None,
@@ -95,14 +113,16 @@ LAYOUT = options(
 )
 
 MXFP8_DIALECT = click.option(
-    "--dialect", type=click.Choice(["auto", "sglang", "modelopt"]), default="auto", show_default=True,
+    "--dialect", type=click.Choice(list(DIALECTS["mxfp8"])), default="auto", show_default=True,
     help="auto: loads in vLLM and SGLang; sglang: miles-style weight_scale_inv; modelopt: ModelOpt MXFP8.")
 
 NVFP4 = options(
-    click.option("--dialect", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
+    click.option("--dialect", type=click.Choice(list(DIALECTS["nvfp4"])), default="modelopt",
                  show_default=True),
-    click.option("--recipe", type=click.Choice(["te", "modelopt"]), default="te", show_default=True,
-                 help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's."),
+    click.option("--recipe", type=click.Choice(list(NVFP4_RECIPES)), default="te", show_default=True,
+                 help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's; "
+                      "4over6: TransformerEngine 2.17's 4over6 (per block the better of max->6 and max->4; "
+                      "global scale amax/1536, MAE)."),
     click.option("--weight-only", "input_mode", flag_value="weight-only",
                  help="W4A16: no activation scales; engines run weight-only NVFP4 (the default)."),
     click.option("--input-scale", "input_scale", type=click.Choice(["unit"]),

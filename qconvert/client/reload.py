@@ -1,6 +1,6 @@
 """What the vLLM and SGLang reload clients share: the result and error types, the fan-out over
-data-parallel replicas (threads, Ctrl-C handling), resuming a paused server whatever happened,
-and resolving the checkpoint the servers read (a directory, a fresh staging area, or ``shm:NAME``)."""
+data-parallel replicas (threads, Ctrl-C handling), the pause -> load -> rollback -> resume sequence
+of one server (:func:`load_paused`), resuming a paused server whatever happened, and resolving the checkpoint the servers read (a directory, a fresh staging area, or ``shm:NAME``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qconvert.client.http import clean
+from qconvert.client.http import ServerError, ServerUnreachable, clean
 from qconvert.errors import QConvertError
 from qconvert.interrupts import second_interrupt_allowed
 
@@ -54,6 +54,62 @@ def resume_after(client, failure: BaseException | None) -> None:
         return
     if isinstance(failure, QConvertError):
         failure.args = (f"{failure}; server resumed",)
+
+
+def load_paused(client, path: str, *, pause: str, version: str, t0: float, load, previous: str | None,
+                rollback, not_restored: str, after=None) -> ReloadResult:
+    """Pause the server behind ``client``, run ``load()`` (which loads ``path``), then ``after()``
+    if given, and resume the server on every path (:func:`resume_after`); return the filled result
+    (``t0``: ``time.perf_counter()`` when this server's reload began).
+
+    If ``load()`` fails with the server's refusal, ``rollback(previous)`` restores the weights
+    served before (when there is a ``previous`` and the server answered at all) while the server is
+    still paused; the ReloadError names the server's message and what state the server was left
+    in (``not_restored``: what to say when there was nothing to roll back to or the rollback failed)."""
+    import time
+
+    res = ReloadResult(client.url, ok=False)
+    failure: BaseException | None = None
+    maybe_paused = False  # whether a pause request may have reached the server
+    try:
+        try:
+            client.pause(pause)
+        except QConvertError as err:
+            maybe_paused = getattr(err, "sent", True)
+            raise ReloadError(f"pausing failed: {err}") from err
+        maybe_paused = True
+        try:
+            load()
+        except (ServerError, ServerUnreachable) as err:
+            server_msg = err.message if isinstance(err, ServerError) else str(err)
+            # no answer at all (timeout, Ctrl-C, connection lost): the server may still be loading
+            # the checkpoint or be down; a rollback now would queue behind it or fail the same way
+            no_answer = isinstance(err, ServerUnreachable)
+            rolled, rollback_error = False, ""
+            if previous and not no_answer:
+                try:
+                    rollback(previous)
+                    rolled = True
+                except QConvertError as err2:
+                    rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
+            res.rolled_back = rolled
+            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
+                    "interrupted; the server may still finish loading it" if client.http.cancelled else
+                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
+                    "checkpoint" if no_answer else not_restored)
+            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
+        if after is not None:
+            after()
+    except BaseException as e:  # noqa: BLE001 - resume below on every path, then re-raise
+        failure = e
+        raise
+    finally:
+        if maybe_paused:
+            resume_after(client, failure)
+    res.ok = True
+    res.weight_version = version
+    res.seconds = time.perf_counter() - t0
+    return res
 
 
 def drop_staged(name: str) -> None:

@@ -37,8 +37,8 @@ import uuid
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.client.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
-from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, resolve_source, resume_after
+from qconvert.client.http import ServerClient, ServerError, clean, reply_field
+from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, load_paused, resolve_source
 from qconvert.client.staging import read_layout
 
 log = logging.getLogger("qconvert.reload")
@@ -124,49 +124,17 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     t0 = time.perf_counter()
     info = client.model_info()
     previous = info.get("model_path")
-    failure: BaseException | None = None
-    maybe_paused = False  # whether a pause request may have reached the server
-    res = ReloadResult(client.url, ok=False)
-    try:
-        try:
-            client.pause(pause)
-        except QConvertError as err:
-            maybe_paused = getattr(err, "sent", True)
-            raise ReloadError(f"pausing failed: {err}") from err
-        maybe_paused = True
-        try:
-            out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
-            log.info("%s: %s", client.url, out.get("message"))
-        except (ServerError, ServerUnreachable) as err:
-            server_msg = err.message if isinstance(err, ServerError) else str(err)
-            # no answer at all (timeout, Ctrl-C, connection lost): the server may still be loading
-            # the checkpoint or be down; a rollback now would queue behind it or fail the same way
-            no_answer = isinstance(err, ServerUnreachable)
-            rolled, rollback_error = False, ""
-            if previous and previous != path and not no_answer:
-                try:
-                    client.update_weights_from_disk(previous, flush_cache=flush,
-                                                    weight_version=info.get("weight_version"))
-                    rolled = True
-                except QConvertError as err2:
-                    rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
-            res.rolled_back = rolled
-            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
-                    "interrupted; the server may still finish loading it" if client.http.cancelled else
-                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
-                    "checkpoint" if no_answer else
-                    "previous weights not restored; reload a good checkpoint or restart the server")
-            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
-    except BaseException as e:  # noqa: BLE001 - continue generation below on every path
-        failure = e
-        raise
-    finally:
-        if maybe_paused:
-            resume_after(client, failure)
-    res.ok = True
-    res.weight_version = version
-    res.seconds = time.perf_counter() - t0
-    return res
+
+    def load() -> None:
+        out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
+        log.info("%s: %s", client.url, out.get("message"))
+
+    def restore(prev: str) -> None:
+        client.update_weights_from_disk(prev, flush_cache=flush, weight_version=info.get("weight_version"))
+
+    return load_paused(client, path, pause=pause, version=version, t0=t0, load=load,
+                       previous=previous if previous != path else None, rollback=restore,
+                       not_restored="previous weights not restored; reload a good checkpoint or restart the server")
 
 
 def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "retract",

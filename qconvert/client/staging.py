@@ -46,32 +46,16 @@ from qconvert.convert.safetensors_io import sha256_file
 from qconvert.errors import QConvertError
 from qconvert.formats.manifest import MANIFEST_NAME
 
-ALIGN = 256
-MANIFEST = "qconvert-staging.json"
+from qconvert.formats.staging import (  # noqa: F401  (the on-disk facts live there, once)
+    ALIGN, FORMAT_V1 as FORMAT, MANIFEST_V1 as MANIFEST, NAME_RE, StagingError, check_name as _check_name,
+    manifest_digest_v1 as _manifest_digest, staging_root,
+)
+
 INDEX = "model.safetensors.index.json"
-FORMAT = "qconvert-staging/1"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Files copied from a checkpoint next to the shards (small, non-weight).
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 _SKIP_FILES = {INDEX, MANIFEST}
-
-
-class StagingError(QConvertError):
-    """A staging area is missing, corrupt, unsafe or does not match the expected layout."""
-
-
-def staging_root() -> Path:
-    """``$QCONVERT_SHM_ROOT`` or ``/dev/shm/qconvert``."""
-    return Path(os.environ.get("QCONVERT_SHM_ROOT", "/dev/shm/qconvert"))
-
-
-def _check_name(name: str) -> None:
-    if not NAME_RE.match(name):
-        raise StagingError(
-            f"staging name {name!r} is invalid; use letters, digits, '.', '_' or '-' (max 128, "
-            "not starting with a dot)"
-        )
 
 
 # ----------------------------------------------------------------------------- dtypes, contract
@@ -368,10 +352,6 @@ class StagingWriter:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return StagingArea(self.final, manifest)
-
-
-def _manifest_digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":

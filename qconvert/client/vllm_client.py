@@ -52,9 +52,9 @@ import uuid
 from pathlib import Path
 
 from qconvert.errors import QConvertError
-from qconvert.client.http import ServerClient, ServerError, ServerUnreachable, clean, reply_field
+from qconvert.client.http import ServerClient, ServerError, clean, reply_field
 from qconvert.client.reload import (ReloadError, ReloadInterrupted, ReloadResult, drop_staged, fan_out,
-                                     resolve_source, resume_after)
+                                     load_paused, resolve_source)
 from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC
 
 __all__ = ["VllmClient", "reload_vllm", "verify_servers", "ReloadError", "ReloadInterrupted", "ReloadResult",
@@ -272,7 +272,6 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
 
     t0 = time.perf_counter()
-    res = ReloadResult(client.url, ok=False)
     client.check_dev_mode()
     ver = client.version()
     if ver not in SUPPORTED_VLLM_VERSIONS:
@@ -304,55 +303,24 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
             raise ReloadError(f"{client.url}: {path} does not match the layout of the served checkpoint "
                               f"{clean(previous, 200)} ({', '.join(diff)} differ); convert it with the same options "
                               "or restart the server on it")
-    failure: BaseException | None = None
-    maybe_paused = False  # whether a pause request may have reached the server
-    try:
-        try:
-            client.pause(pause)
-        except QConvertError as err:
-            maybe_paused = getattr(err, "sent", True)
-            raise ReloadError(f"pausing failed: {err}") from err
-        maybe_paused = True
-        try:
-            reload_checkpoint(client, path)
-        except (ServerError, ServerUnreachable) as err:
-            server_msg = err.message if isinstance(err, ServerError) else str(err)
-            # no answer at all (timeout, Ctrl-C, connection lost): the server may still be loading
-            # the checkpoint or be down; a rollback now would queue behind it or fail the same way
-            no_answer = isinstance(err, ServerUnreachable)
-            rolled, rollback_error = False, ""
-            if previous and not no_answer:
-                try:
-                    if repack or client.has_extension():
-                        client.collective_rpc("qconvert_clear_failed_reload")
-                    reload_checkpoint(client, previous)
-                    if repack:
-                        client.collective_rpc("qconvert_repack_cpu_moe")
-                    rolled = True
-                except QConvertError as err2:
-                    rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
-            res.rolled_back = rolled
-            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
-                    "interrupted; the server may still finish loading it" if client.http.cancelled else
-                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
-                    "checkpoint" if no_answer else
-                    "could not restore the previous weights; the server's weights are undefined, "
-                    "reload a good checkpoint or restart it")
-            raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
+
+    def restore(prev: str) -> None:
+        if repack or client.has_extension():
+            client.collective_rpc("qconvert_clear_failed_reload")
+        reload_checkpoint(client, prev)
+        if repack:
+            client.collective_rpc("qconvert_repack_cpu_moe")
+
+    def after() -> None:
         if repack:
             client.collective_rpc("qconvert_repack_cpu_moe")
         client.set_weight_version(version)
         _state_record(client.url, version, str(record_as or path))
-    except BaseException as e:  # noqa: BLE001 - resume below on every path, then re-raise
-        failure = e
-        raise
-    finally:
-        if maybe_paused:
-            resume_after(client, failure)
-    res.ok = True
-    res.weight_version = version
-    res.seconds = time.perf_counter() - t0
-    return res
+
+    return load_paused(client, path, pause=pause, version=version, t0=t0,
+                       load=lambda: reload_checkpoint(client, path), previous=previous, rollback=restore,
+                       not_restored="could not restore the previous weights; the server's weights are undefined, "
+                                    "reload a good checkpoint or restart it", after=after)
 
 
 def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",

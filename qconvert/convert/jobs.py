@@ -25,11 +25,11 @@ from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
 from .layouts import trtllm
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
+from .numerics.nvfp4 import encode_global_scale
 from .options import ConvertOptions, PlanRow
 from .plan import KEEP, QUANTIZE, Plan
 from .safetensors_io import ShardReader
 
-_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -132,11 +132,8 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
             if dialect == "modelopt":
                 result[outs[2].name] = scale_2.cpu().reshape(())
             else:
-                # encode convention: S_enc = 2688/g (fp32), clamped at FLT_MAX as TE does (tiny g)
-                gf = np.float32(float(g))
-                with np.errstate(all="ignore"):
-                    enc = np.minimum(np.float32(2688.0) / gf, _F32_MAX) if gf > 0 else np.float32(1.0)
-                result[outs[2].name] = torch.tensor([enc], dtype=torch.float32)
+                # encode convention: S_enc = 2688/g (1536/g for 4over6), fp32, clamped at FLT_MAX
+                result[outs[2].name] = torch.tensor([encode_global_scale(g, opts.recipe)], dtype=torch.float32)
             if len(outs) > 3:
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
                 result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)

@@ -15,6 +15,7 @@ from ..formats.manifest import MANIFEST_NAME
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint
 from .jobs import Job, out_nbytes, source_for_outputs
+from .numerics.nvfp4 import global_div
 from .options import ConvertOptions
 from .plan import QUANTIZE, Plan
 
@@ -68,7 +69,8 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         non_finite_allowed=opts.allow_non_finite, bf16_layers=plan.bf16_layers, exclusions=plan.exclusions,
         output_sha=output_sha, output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",
-        recipe=opts.recipe, input_mode=opts.input_mode, input_scales_from=opts.input_scales_from,
+        recipe=opts.recipe, global_div=int(global_div(opts.recipe)) if scheme == "nvfp4" else None,
+        input_mode=opts.input_mode, input_scales_from=opts.input_scales_from,
         layout=layout, tensors=tensors)
     _write_json(tmp / MANIFEST_NAME, manifest)
 

@@ -25,7 +25,7 @@ class ConvertOptions:
     progress: bool | None = None  # None: on a terminal only
     queue_bytes: int = 512 << 20  # read-ahead bound: input bytes read whose outputs are not written yet
     fsync: bool = True
-    recipe: str = "te"  # NVFP4: te | modelopt
+    recipe: str = "te"  # NVFP4: te | modelopt | 4over6 (numerics.nvfp4.NVFP4_RECIPES)
     input_mode: str = "weight-only"  # NVFP4: weight-only (W4A16) | unit | copied
     input_scales_from: str | None = None  # NVFP4: checkpoint to copy calibrated input scales from
     layout: str | None = None  # "flashinfer-trtllm": MoE experts pre-shuffled (jobs.moe_layer_job)

@@ -22,11 +22,12 @@ LAYOUT_KEY = "layout"
 
 def build(*, version: str, created: str, scheme: str, dialect: str, source: dict, options: dict,
           non_finite_allowed: bool, bf16_layers: list, exclusions: list, output_sha: dict, output_note: str | None,
-          recipe: str | None, input_mode: str | None, input_scales_from, layout: dict | None,
+          recipe: str | None, global_div: int | None, input_mode: str | None, input_scales_from, layout: dict | None,
           tensors: dict) -> dict:
     """The manifest of a conversion, key order as written. ``source`` is the ``source`` section
     (id, revision, architecture, sha256[, sha256_note]); ``tensors`` maps module -> {format, shape,
-    reason}; ``layout`` is the layout section or None."""
+    reason}; ``layout`` is the layout section or None; ``global_div`` is NVFP4's global-scale numerator
+    for the recipe (``scale_2 = amax / global_div``: numerics.nvfp4.global_div)."""
     manifest = {
         VERSION_KEY: version,
         "created": created,
@@ -50,8 +51,8 @@ def build(*, version: str, created: str, scheme: str, dialect: str, source: dict
     if scheme == NVFP4:
         manifest["recipe"] = recipe
         manifest["scale_rule"] = NVFP4_SCALE_RULE[recipe]
-        manifest["global_scale"] = (f"{WEIGHT_SCALE_2} = group amax / 2688 (decode)" if dialect == "modelopt"
-                                    else f"{WEIGHT_GLOBAL_SCALE} = 2688 / group amax (encode)")
+        manifest["global_scale"] = (f"{WEIGHT_SCALE_2} = group amax / {global_div} (decode)" if dialect == "modelopt"
+                                    else f"{WEIGHT_GLOBAL_SCALE} = {global_div} / group amax (encode)")
         manifest["fused_groups_share_global_scale"] = list(NVFP4_SHARED_GLOBAL_SCALE)
         manifest["activations"] = NVFP4_ACTIVATIONS_TEXT[input_mode].format(source=input_scales_from)
     if layout is not None:

@@ -25,10 +25,10 @@ SCHEME_BLOCK = {**BLOCK, BF16: None}
 SCALE_TAGS = {MXFP8: frozenset({"U8", "F8_E8M0"}), NVFP4: frozenset({"F8_E4M3"})}
 
 #: quantization recipes (what the manifest's ``recipe`` records): MXFP8 RCEIL
-#: (docs/formats.md#mxfp8-scale-rule); NVFP4 TE / FlashInfer order or ModelOpt order
-#: (docs/formats.md#nvfp4-block-scale-recipes)
+#: (docs/formats.md#mxfp8-scale-rule); NVFP4 TE / FlashInfer order, ModelOpt order
+#: (docs/formats.md#nvfp4-block-scale-recipes) or TE 2.17's 4over6 (docs/formats.md#nvfp4-4over6)
 MXFP8_RECIPE = "rceil"
-NVFP4_RECIPES = ("te", "modelopt")
+NVFP4_RECIPES = ("te", "modelopt", "4over6")
 DEFAULT_NVFP4_RECIPE = "te"
 RECIPES = {MXFP8: (MXFP8_RECIPE,), NVFP4: NVFP4_RECIPES}
 ALL_RECIPES = (MXFP8_RECIPE, *NVFP4_RECIPES)
@@ -55,6 +55,7 @@ MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE o
 NVFP4_SCALE_RULE = {
     "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
     "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
+    "4over6": "TransformerEngine 2.17 4over6 (nvfp4_e4m3_max 256, MAE, no fast math): per block s6 = e4m3((amax_blk / 6) * S_enc), s4 = e4m3(1.5 * that), codes e2m1_rn(x * 1/(s / S_enc)) for each; the one with the smaller sum |decoded - x| kept (ties: s6); S_enc = 1536 / global amax",
 }
 #: MXFP8's scale byte of an all-zero block (docs/formats.md#mxfp8-byte-zero)
 MXFP8_ZERO_BLOCK_SCALE_BYTE = 1

@@ -40,6 +40,23 @@ different fp32 operation order, so the bytes differ on a small fraction of block
     codes of 6.0 (0/0); here such a tensor (necessarily all zeros) gets codes 0, block
     scales 1.0 (ModelOpt's own zero-block value) and ``scale_2 = 0``, which decodes to zeros.
 
+``recipe="4over6"``
+    TransformerEngine 2.17 ``NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256,
+    nvfp4_4over6_err_mode="MAE")`` without fast math, as its reference quantizer defines it
+    (docs/formats.md#nvfp4-4over6)::
+
+        S_enc = min(1536 / g, FLT_MAX), or 1 if g == 0 or that quotient is 0   (1536 = 6 * 256)
+        S_dec = 1 / S_enc
+        base  = (amax_blk / 6) * S_enc
+        s6    = e4m3(min(base, 448));        s4 = e4m3(min(base * 1.5, 448))
+        inv_k = min(1 / (s_k * S_dec), FLT_MAX)
+        c_k   = e2m1_rn_satfinite(x * inv_k)                 (sign as in "te")
+        err_k = sum over the 16 elements in order, from 0.0, of |((e2m1(c_k) * s_k) * g) / 1536 - x|
+        keep (s4, c4) if err_4 < err_6, else (s6, c6)        (ties and NaN: map-to-6)
+
+    ``scale_2 = g / 1536`` (``1 / FLT_MAX`` where S_enc was clamped). The C and Triton kernels do
+    not implement it: this recipe always runs the torch op chain below (on CPU or CUDA).
+
 ``g`` is the global amax: ``max|x|`` unless the caller passes ``global_amax`` (the max over a
 fused group such as q/k/v or gate/up, docs/formats.md#nvfp4-shared-global-scales; it must be >= max|x| of this tensor). All
 arithmetic is IEEE fp32 (tensor ops, no host round trips, except the per-tensor scalars of the
@@ -52,6 +69,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...formats.schemes import NVFP4_RECIPES  # noqa: F401 (re-exported: numerics.NVFP4_RECIPES)
 from . import cpu_kernels
 
 NVFP4_BLOCK = 16
@@ -59,7 +77,24 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: 6 * 448: global amax that maps to the largest block scale times the largest element.
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX
-NVFP4_RECIPES = ("te", "modelopt")
+#: 4over6: the E4M3 value the global scale maps the largest block to (TE ``nvfp4_e4m3_max``), so
+#: that the map-to-4 scale (1.5x) of the largest block still fits E4M3.
+FOUR_OVER_SIX_E4M3_MAX = 256.0
+FOUR_OVER_SIX_EXPAND = 1.5
+
+
+def global_div(recipe: str) -> float:
+    """The per-recipe numerator of the global scale: ``scale_2 = g / global_div``, encode
+    ``S_enc = global_div / g`` (2688 = 6 * 448; 1536 = 6 * 256 for 4over6)."""
+    return E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX if recipe == "4over6" else NVFP4_GLOBAL_DIV
+
+
+def encode_global_scale(g, recipe: str) -> np.float32:
+    """compressed-tensors' ``weight_global_scale`` (encode convention) from the group amax ``g``:
+    ``global_div / g`` in fp32, clamped at FLT_MAX as TE does for tiny ``g``; 1 for ``g == 0``."""
+    gf = np.float32(float(g))
+    with np.errstate(all="ignore"):
+        return np.minimum(np.float32(global_div(recipe)) / gf, _NP_FLT_MAX) if gf > 0 else np.float32(1.0)
 
 _FLT_MAX = torch.finfo(torch.float32).max
 _NP_FLT_MAX = np.float32(_FLT_MAX)
@@ -169,18 +204,23 @@ def _f32(value, device) -> torch.Tensor:
     return t
 
 
-def nvfp4_scale_2(global_amax: torch.Tensor) -> torch.Tensor:
-    """Decode-convention global scale ``global_amax / 2688`` (fp32, 0-dim)."""
-    return global_amax.float().reshape(()) / _f32(NVFP4_GLOBAL_DIV, global_amax.device)
+def nvfp4_scale_2(global_amax: torch.Tensor, div: float = NVFP4_GLOBAL_DIV) -> torch.Tensor:
+    """Decode-convention global scale ``global_amax / 2688`` (fp32, 0-dim; ``div`` 1536 for 4over6)."""
+    return global_amax.float().reshape(()) / _f32(div, global_amax.device)
+
+
+def _te_s_enc(g: torch.Tensor, div: float) -> torch.Tensor:
+    dev = g.device
+    s_enc = torch.minimum(_f32(div, dev) / g, _f32(_FLT_MAX, dev))
+    # g == 0 gives inf -> FLT_MAX above; g == inf gives 0. TE falls back to 1 for both.
+    return torch.where((g == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
 
 
 def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """TE's per-tensor factors from the global amax ``g``: ``(S_enc * fl32(1/6), S_dec)``, fp32
     0-dim on ``g``'s device. The per-block part multiplies the block amax by the first."""
     dev = g.device
-    s_enc = torch.minimum(_f32(NVFP4_GLOBAL_DIV, dev) / g, _f32(_FLT_MAX, dev))
-    # g == 0 gives inf -> FLT_MAX above; g == inf gives 0. TE falls back to 1 for both.
-    s_enc = torch.where((g == 0) | (s_enc == 0), _f32(1.0, dev), s_enc)
+    s_enc = _te_s_enc(g, NVFP4_GLOBAL_DIV)
     s_dec = _f32(1.0, dev) / s_enc
     # fl32(1/6) times S_enc first, as TE folds it (core_nvfp4.cuh), then the block amax.
     return s_enc * _f32(1.0 / E2M1_MAX, dev), s_dec
@@ -193,11 +233,12 @@ def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float
     ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
     3 MB expert's time on a 2-core machine)."""
     f = np.float32
+    div = f(global_div(recipe))
     with np.errstate(all="ignore"):  # g == 0 divides by zero, as the tensor code does
-        scale_2 = g / f(NVFP4_GLOBAL_DIV)
-        if recipe != "te":
+        scale_2 = g / div
+        if recipe == "modelopt":
             return scale_2, f(E2M1_MAX) * scale_2, scale_2
-        q = f(NVFP4_GLOBAL_DIV) / g
+        q = div / g
         if g > 0 and q > _NP_FLT_MAX:
             scale_2 = f(1.0) / _NP_FLT_MAX
         s_enc = np.minimum(q, _NP_FLT_MAX)  # NaN propagates, as torch.minimum
@@ -251,11 +292,12 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
 
 def _scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
     dev = g.device
-    scale_2 = nvfp4_scale_2(g)
-    if recipe == "te":
+    div = global_div(recipe)
+    scale_2 = nvfp4_scale_2(g, div)
+    if recipe != "modelopt":
         # TE clamps S_enc = 2688/g at FLT_MAX (g below ~7.9e-36): the decode scale is then
         # 1/S_enc, not g/2688, or the stored blocks would decode too small.
-        s_enc = _f32(NVFP4_GLOBAL_DIV, dev) / g
+        s_enc = _f32(div, dev) / g
         scale_2 = torch.where((g > 0) & (s_enc > _f32(_FLT_MAX, dev)), _f32(1.0, dev) / _f32(_FLT_MAX, dev), scale_2)
     return scale_2
 
@@ -286,6 +328,9 @@ def _quantize_blocks(xb: torch.Tensor, g: torch.Tensor, scale_2: torch.Tensor, r
     path passes cache-sized ones. The pure tensor chain is the same on every device.
     """
     n = xb.shape[0]
+    if recipe == "4over6":
+        _quantize_blocks_4over6(xb, g, packed, scale)
+        return
     blk_amax = _block_amax(xb, None if bufs is None else bufs[0][:n])
     if recipe == "te":
         sc, inv = _block_scales_te(blk_amax, g)
@@ -300,6 +345,39 @@ def _quantize_blocks(xb: torch.Tensor, g: torch.Tensor, scale_2: torch.Tensor, r
     else:
         code = _e2m1_code_i32(v, recipe == "te", tuple(b[:n] for b in bufs[1:4]))
         _pack_i32_into(code.view(-1), packed.view(-1), bufs[4][:n].view(-1))
+
+
+def _quantize_blocks_4over6(xb: torch.Tensor, g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """The 4over6 recipe (module docstring) on blocks ``xb [n, 16]``: both candidates quantized
+    in TE's order, the one with the smaller summed absolute error kept."""
+    dev = xb.device
+    flt_max = _f32(_FLT_MAX, dev)
+    div = _f32(E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX, dev)
+    s_enc = _te_s_enc(g, E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX)
+    s_dec = _f32(1.0, dev) / s_enc
+    x = xb.float()
+    base = (_block_amax(xb) / _f32(E2M1_MAX, dev)) * s_enc
+    best_err = best_code = best_scale = None
+    # map-to-6 first: it is kept unless map-to-4 is strictly better (ties and NaN keep map-to-6)
+    for factor in (None, FOUR_OVER_SIX_EXPAND):
+        s = base if factor is None else base * _f32(factor, dev)
+        sc = torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
+        sf = sc.float()
+        inv = torch.minimum(_f32(1.0, dev) / (sf * s_dec), flt_max)
+        code = _e2m1_code_i32((x * inv.unsqueeze(-1)).contiguous(), True)
+        deq = ((e2m1_to_float(code) * sf.unsqueeze(-1)) * g) / div
+        diff = (deq - x).abs_()
+        err = torch.zeros_like(sf)
+        for i in range(NVFP4_BLOCK):  # fp32 sum in element order, as TE accumulates it
+            err = err + diff[:, i]
+        if best_err is None:
+            best_err, best_code, best_scale = err, code, sc
+        else:
+            pick = err < best_err
+            best_code = torch.where(pick.unsqueeze(-1), code, best_code)
+            best_scale = torch.where(pick, sc.view(torch.uint8), best_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    scale.copy_(best_scale)
+    packed.copy_((best_code[:, 0::2] | (best_code[:, 1::2] << 4)).to(torch.uint8))
 
 
 #: Blocks per CPU work item: 8192 blocks of 16 are 512 KB of fp32 per scratch buffer (five of
@@ -380,7 +458,9 @@ def nvfp4_quantize(
     dev = x.device
     xb = x.reshape(-1, NVFP4_BLOCK)
     w = torch.get_num_threads() if workers is None else workers
-    if xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
+    if recipe == "4over6":
+        blocks_fn = None  # the C and Triton kernels implement te/modelopt only: the op chain runs
+    elif xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
         if global_amax is None:
             g = cpu_kernels.abs_max_f32(xb, w)
         elif torch.is_tensor(global_amax):
