@@ -69,10 +69,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...formats.schemes import NVFP4_RECIPES  # noqa: F401 (re-exported: numerics.NVFP4_RECIPES)
+from ...formats.schemes import NVFP4_BLOCK, NVFP4_RECIPES  # noqa: F401 (re-exported by numerics)
 from . import cpu_kernels
 
-NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: 6 * 448: global amax that maps to the largest block scale times the largest element.
