@@ -439,7 +439,7 @@ class _Verifier:
         from .convert.layout_jobs import parse_rank_tag
 
         man = self.dst.manifest or {}
-        lay = man.get("layout") if self.det.producer == "qconvert" else None
+        lay = layout_section(man) if self.det.producer == "qconvert" else None
         if not isinstance(lay, dict) or not isinstance(lay.get("layers"), dict) or man.get("recipe") not in ALL_RECIPES:
             return {}
         out: dict[str, list[str]] = {}

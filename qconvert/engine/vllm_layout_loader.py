@@ -58,7 +58,7 @@ import torch
 
 from qconvert.engine import PRESHUFFLED_RPC
 from qconvert.errors import QConvertError
-from qconvert.formats.manifest import MANIFEST_NAME
+from qconvert.formats.manifest import MANIFEST_NAME, layout_section
 
 log = logging.getLogger("qconvert.vllm_layout_loader")
 
@@ -91,8 +91,7 @@ def read_layout(ckpt: str | Path) -> dict | None:
         return None
     except (OSError, ValueError) as e:
         raise PreshuffledLoadError(f"{p}: unreadable qconvert manifest ({e})") from None
-    lay = man.get("layout") if isinstance(man, dict) else None
-    return lay or None
+    return layout_section(man)
 
 
 def has_layout(ckpt: str | Path) -> bool:

@@ -1,13 +1,13 @@
 """The manifest qconvert writes beside every checkpoint (``qconvert.json``): its name, how it is
-built, how a read one is checked, and accessors for its sections (the layout contract above all).
+built, whether a read one is qconvert's, and accessors for its sections (the layout contract above
+all, the recipe).
 
 Pure: the callers read and write the file (through the guarded readers); this module only builds
-and checks the JSON value.
+and looks into the JSON value.
 """
 
 from __future__ import annotations
 
-from ..errors import CheckpointError
 from .dialects import WEIGHT_GLOBAL_SCALE, WEIGHT_SCALE_2, engines_for
 from .schemes import (MXFP8, MXFP8_RECIPE, MXFP8_SCALE_RULE, MXFP8_ZERO_BLOCK_SCALE_BYTE, MXFP8_ZERO_POLICY, NVFP4,
                       NVFP4_ACTIVATIONS_TEXT, NVFP4_SCALE_RULE, NVFP4_SHARED_GLOBAL_SCALE)
@@ -59,13 +59,6 @@ def build(*, version: str, created: str, scheme: str, dialect: str, source: dict
         manifest[LAYOUT_KEY] = layout
     manifest["tensors"] = tensors
     return manifest
-
-
-def check(obj, where) -> dict:
-    """``obj`` (a parsed manifest) if it is a JSON object, else a :class:`CheckpointError` naming ``where``."""
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{where}: {MANIFEST_NAME} must be a JSON object; restore it")
-    return obj
 
 
 def is_qconvert(manifest: dict | None) -> bool:
