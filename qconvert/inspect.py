@@ -13,115 +13,31 @@ checkpoint and renders the report.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from .convert.checkpoint import CheckpointDir, open_checkpoint
+from .convert.safetensors_io import DTYPES
 from .formats import manifest as _manifest
 from .formats.detect import (QUANTIZED_FORMATS, Code, Detection, Module, detect, finding, module_format,  # noqa: F401
                              modules_of, nvfp4_activations, role_tag, split_name)
-from .formats.dialects import HF_QUANT_CONFIG, KEPT_SUFFIXES, EngineSupport, engine_support
-from .formats.manifest import MANIFEST_NAME, find_layouts
+from .formats.dialects import KEPT_SUFFIXES, EngineSupport, engine_support
+from .formats.manifest import find_layouts
 from .formats.schemes import BLOCK
-from .convert.checkpoint import INDEX_NAME, _safe_member
-from .convert.safetensors_io import DTYPES, TensorEntry, read_header
 
 # ---- reading a checkpoint (headers only) --------------------------------------------------------
 
-@dataclass
-class CheckpointFiles:
-    root: Path
-    config: dict
-    hf_quant_config: dict | None
-    manifest: dict | None
-    index: dict | None
-    shards: list  # safetensors Header, in sorted file-name order
-    tensors: dict[str, TensorEntry]
-    shard_of: dict[str, str]  # tensor name -> shard file name
-    problems: list[str] = field(default_factory=list)  # consistency problems found while reading
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.tensors.values())
+#: what inspect and verify read: the one checkpoint-directory reader's result
+CheckpointFiles = CheckpointDir
 
 
-def _load_json(path: Path, what: str) -> dict:
-    from .convert.checkpoint import read_member_json
-    try:
-        obj = read_member_json(path.parent, path)  # guarded: inside the checkpoint, a regular file
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); restore the {what}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object; restore it")
-    return obj
-
-
-def read_checkpoint(path: str | Path) -> CheckpointFiles:
-    """Config, optional hf_quant_config / manifest / index, and every shard header.
-
-    Raises :class:`CheckpointError` only when nothing sensible can be read; index
-    inconsistencies are collected in ``problems`` so ``verify`` can report them all.
+def read_checkpoint(path: str | Path) -> CheckpointDir:
+    """Config, optional hf_quant_config / manifest / index, and every shard header, read leniently
+    (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
+    raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
-    cfg_path = root / "config.json"
-    if not os.path.lexists(cfg_path):  # present but not a regular file: the guarded read says what it is
-        raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
-    config = _load_json(cfg_path, "config.json")
-    hqc = _load_json(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG) if os.path.lexists(root / HF_QUANT_CONFIG) else None
-    manifest = _load_json(root / MANIFEST_NAME, MANIFEST_NAME) if os.path.lexists(root / MANIFEST_NAME) else None
-    problems: list[str] = []
-    index = None
-    index_path = root / INDEX_NAME
-    if os.path.lexists(index_path):
-        index = _load_json(index_path, "index")
-        wmap = index.get("weight_map")
-        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-            raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names; rewrite the index")
-        files = sorted(set(wmap.values()))
-        for rel in files:
-            _safe_member(root, rel, index_path)
-        on_disk = sorted(p.name for p in root.glob("*.safetensors"))
-        for extra in sorted(set(on_disk) - set(files)):
-            problems.append(f"{root / extra}: shard not listed in {INDEX_NAME}; engines will not load it — delete it or add it to the index")
-        missing = [rel for rel in files if not os.path.lexists(root / rel)]  # a FIFO or link: guard() below
-        if missing:
-            raise CheckpointError(f"{root / missing[0]}: shard listed in {INDEX_NAME} is missing; re-run the conversion or re-download")
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-        if len(files) > 1:
-            problems.append(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index")
-    if not files:
-        raise CheckpointError(f"{root}: no .safetensors weights found")
-    from .convert.checkpoint import guard
-    shards = [read_header(guard(root, root / rel)) for rel in files]
-    tensors: dict[str, TensorEntry] = {}
-    shard_of: dict[str, str] = {}
-    for h in shards:
-        for name, e in h.entries.items():
-            if name in tensors:
-                problems.append(f"tensor {name!r} is stored in both {shard_of[name]} and {h.path.name}; remove one copy")
-                continue
-            tensors[name] = e
-            shard_of[name] = h.path.name
-    if index is not None:
-        wmap = index["weight_map"]
-        for name, rel in sorted(wmap.items()):
-            if name not in tensors:
-                problems.append(f"{index_path}: tensor {name!r} listed in {rel} is in no shard; rewrite the index")
-            elif shard_of[name] != Path(rel).name:
-                problems.append(f"{index_path}: tensor {name!r} listed in {rel} but stored in {shard_of[name]}; rewrite the index")
-        for name in sorted(set(tensors) - set(wmap)):
-            problems.append(f"{index_path}: tensor {name!r} in {shard_of[name]} is not in the index; rewrite the index")
-        total = (index.get("metadata") or {}).get("total_size")
-        if total is not None and total != sum(e.nbytes for e in tensors.values()):
-            problems.append(f"{index_path}: metadata.total_size {total} != {sum(e.nbytes for e in tensors.values())} "
-                            "bytes of tensor data; rewrite the index")
-    return CheckpointFiles(root, config, hqc, manifest, index, shards, tensors, shard_of, problems)
+    return open_checkpoint(path, strict=False)
 
 
 # ---- the report ---------------------------------------------------------------------------------

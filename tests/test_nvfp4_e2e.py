@@ -122,6 +122,7 @@ def test_vllm_parsers_agree_with_plan(nv):
 
     _, mo, ct = nv
     mq = json.loads((mo / "config.json").read_text())["quantization_config"]
+    assert mq["quant_algo"] == "W4A16_NVFP4"  # docs/formats.md#nvfp4-weight-only-quant_algo
     vm = ModelOptNvFp4Config.from_config(mq)
     assert vm.quant_method == "W4A16_NVFP4" and vm.group_size == 16
     vm.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -356,12 +356,13 @@ def test_extension_flag_names_an_importable_worker_extension():
     import importlib
 
     from qconvert.client.vllm_client import EXTENSION_FLAG
-    from qconvert.engine import PRESHUFFLED_RPC, WORKER_EXTENSION
+    from qconvert.engine import PRESHUFFLED_RPC, STAGED_RPC, WORKER_EXTENSION
 
     assert EXTENSION_FLAG == "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension"
     module, _, name = WORKER_EXTENSION.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    for method in ("qconvert_ping", "qconvert_clear_failed_reload", "qconvert_repack_cpu_moe", PRESHUFFLED_RPC):
+    for method in ("qconvert_ping", "qconvert_clear_failed_reload", "qconvert_repack_cpu_moe", PRESHUFFLED_RPC,
+                   STAGED_RPC):
         assert callable(getattr(cls, method)), method
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert EXTENSION_FLAG in " ".join(readme.split())

@@ -132,11 +132,11 @@ def test_partial_area_never_visible(demo_dense, shm_root, monkeypatch):
     calls = {"n": 0}
     orig = staging.StagingWriter.add_group
 
-    def boom(self, tensors):
+    def boom(self, tensors, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("killed mid-staging")
-        return orig(self, tensors)
+        return orig(self, tensors, **kw)
 
     monkeypatch.setattr(staging.StagingWriter, "add_group", boom)
     with pytest.raises(RuntimeError):

@@ -35,6 +35,9 @@ class ReloadResult:
     error: str | None = None
     rolled_back: bool = False
     verify: dict = field(default_factory=dict)
+    #: per server worker, what it loaded from a staging area through qconvert's worker extension
+    #: (files, bytes, tensors, seconds, tp_rank, ep_rank; see qconvert.engine.vllm_staged); empty otherwise
+    load: list = field(default_factory=list)
 
 
 def resume_after(client, failure: BaseException | None) -> None:
@@ -131,6 +134,10 @@ def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[
         area = open_area(s[4:])
         return str(area.path), area.contract, None
     p = Path(s)
+    from qconvert.formats import staging as fmt
+
+    if fmt.is_area(p):  # a staging area named by its path (a refit's): read where it is, never restaged
+        return str(p.resolve()), fmt.read_area(p).contract, None
     if not p.is_dir() or not (p / "config.json").is_file():
         raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
                             "(the server must see the same path)")

@@ -250,6 +250,7 @@ class StagingWriter:
         self.tensors: dict[str, dict] = {}
         self.weight_map: dict[str, str] = {}
         self._groups: dict[tuple[int, int], int] = {}
+        self._ranked: set = set()
         self._committed = False
 
     # context manager: drop partial area on error
@@ -276,10 +277,13 @@ class StagingWriter:
             f.write(data)
         self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    def add_group(self, tensors: list[tuple[str, str, tuple[int, ...], object]]) -> None:
+    def add_group(self, tensors: list[tuple[str, str, tuple[int, ...], object]],
+                  rank: tuple[int, int] | None = None) -> None:
         """Write one group: (name, dtype tag, shape, data) where data is a torch.Tensor or bytes-like.
 
-        All tensors of a decoder layer must be passed in one call.
+        All tensors of a decoder layer must be passed in one call, or, for a pre-shuffled layer,
+        one call for its replicated tensors (``rank=None``) and one per server rank (``rank=(tp_rank,
+        ep_rank)``: files ``gNNNNN-tp{r}-ep{q}-KK``, read by that rank only, docs/reload.md#per-rank-files).
         """
         if not tensors:
             return
@@ -287,10 +291,10 @@ class StagingWriter:
         if len(keys) != 1:
             raise StagingError(f"one group must hold one layer, got tensors of {sorted(keys)}")
         key = keys.pop()
-        if key in self._groups:
+        if (key, rank) in self._ranked:
             raise StagingError(f"group {key} staged twice; pass every tensor of a layer together")
-        gidx = len(self._groups)
-        self._groups[key] = gidx
+        self._ranked.add((key, rank))
+        gidx = self._groups.setdefault(key, len(self._groups))
         by_name = {}
         for name, tag, shape, data in tensors:
             if name in self.tensors or name in by_name:
@@ -301,7 +305,8 @@ class StagingWriter:
                 raise StagingError(f"tensor {name!r}: {buf.nbytes} bytes do not match {tag} {list(shape)}")
             by_name[name] = (tag, tuple(int(s) for s in shape), buf)
         for k, names in enumerate(_pack([(n, by_name[n][2].nbytes) for n in by_name])):
-            fname = f"g{gidx:05d}-{k:02d}.safetensors"
+            fname = (f"g{gidx:05d}-{k:02d}.safetensors" if rank is None else
+                     f"g{gidx:05d}-tp{rank[0]}-ep{rank[1]}-{k:02d}.safetensors")
             specs = [(n, by_name[n][0], by_name[n][1], by_name[n][2].nbytes) for n in names]
             head, offs = _header_bytes(specs)
             h = hashlib.sha256(head)
@@ -316,7 +321,8 @@ class StagingWriter:
                                        "dtype": tag, "shape": list(shape), "group": gidx}
                     self.weight_map[n] = fname
                 size = f.tell()
-            self.files[fname] = {"size": size, "sha256": h.hexdigest()}
+            self.files[fname] = {"size": size, "sha256": h.hexdigest(),
+                                 "rank": None if rank is None else [int(rank[0]), int(rank[1])]}
 
     def commit(self) -> "StagingArea":
         if self.config is None:
@@ -335,6 +341,9 @@ class StagingWriter:
             "created": time.time(),
             "alignment": ALIGN,
             "contract": contract,
+            # the server's MoE tensor/expert parallel sizes the per-rank files are for
+            "tp": int((self.layout or {}).get("tp", 1)),
+            "ep": int((self.layout or {}).get("ep", 1)),
             "files": dict(sorted(self.files.items())),
             "tensors": dict(sorted(self.tensors.items())),
         }
@@ -354,6 +363,20 @@ class StagingWriter:
         return StagingArea(self.final, manifest)
 
 
+_RANK_TAG_RE = re.compile(r"\.(trtllm_tp\d+_ep\d+)\.")
+
+
+def rank_of(name: str, layout: dict | None) -> tuple[int, int] | None:
+    """The server rank (tp_rank, ep_rank) that alone reads tensor ``name`` of a pre-shuffled
+    checkpoint with TP or EP > 1 (its ``trtllm_tp{r}_ep{q}`` expert tensors), else None (every rank)."""
+    from qconvert.convert.layout_jobs import parse_rank_tag
+
+    if not layout or int(layout.get("tp", 1)) == int(layout.get("ep", 1)) == 1:
+        return None
+    m = _RANK_TAG_RE.search(name)
+    return parse_rank_tag(m.group(1)) if m else None
+
+
 def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":
     """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
     from qconvert.convert.safetensors_io import read_header
@@ -370,10 +393,12 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
             if e.name in where:
                 raise StagingError(f"{src}: tensor {e.name!r} is in two shards; fix the checkpoint")
             where[e.name] = (h.path, e)
-    groups: dict[tuple[int, int], list[str]] = {}
+    layout = read_layout(src)
+    groups: dict[tuple, list[str]] = {}
     for n in where:
-        groups.setdefault(group_key(n), []).append(n)
-    with StagingWriter(name, root=root, source=str(src.resolve()), config=config, layout=read_layout(src)) as w:
+        r = rank_of(n, layout)
+        groups.setdefault((group_key(n), (0, 0, 0) if r is None else (1, *r)), []).append(n)
+    with StagingWriter(name, root=root, source=str(src.resolve()), config=config, layout=layout) as w:
         fds: dict[Path, int] = {}
         try:
             for key in sorted(groups):
@@ -390,7 +415,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
                     if len(data) != e.nbytes:
                         raise StagingError(f"{path}: tensor {n!r} is truncated; re-export the checkpoint")
                     batch.append((n, e.dtype, e.shape, data))
-                w.add_group(batch)
+                w.add_group(batch, rank=None if key[1][0] == 0 else key[1][1:])
         finally:
             for fd in fds.values():
                 os.close(fd)

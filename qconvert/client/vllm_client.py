@@ -55,7 +55,7 @@ from qconvert.errors import QConvertError
 from qconvert.client.http import ServerClient, ServerError, clean, reply_field
 from qconvert.client.reload import (ReloadError, ReloadInterrupted, ReloadResult, drop_staged, fan_out,
                                      load_paused, resolve_source)
-from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC
+from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC, STAGED_RPC
 
 __all__ = ["VllmClient", "reload_vllm", "verify_servers", "ReloadError", "ReloadInterrupted", "ReloadResult",
            "EXTENSION_FLAG"]
@@ -177,15 +177,21 @@ class VllmClient(ServerClient):
             return []
         return reply_field(self.http, "/collective_rpc", body, "results", types=list)
 
+    _extension: bool | None = None
+
     def has_extension(self) -> bool:
         """Whether the server was started with qconvert's worker extension. False only when the
-        server says the method does not exist; any other failure is raised with its own text."""
-        try:
-            return all(str(r).startswith("qconvert") for r in self.collective_rpc("qconvert_ping"))
-        except ServerError as err:
-            if _MISSING_METHOD.search(err.message):
-                return False
-            raise
+        server says the method does not exist; any other failure is raised with its own text.
+        Asked once per client (a server's extension does not change while it runs)."""
+        if self._extension is None:
+            try:
+                self._extension = all(str(r).startswith("qconvert") for r in self.collective_rpc("qconvert_ping"))
+            except ServerError as err:
+                if _MISSING_METHOD.search(err.message):
+                    self._extension = False
+                else:
+                    raise
+        return self._extension
 
     def is_cpu(self) -> bool:
         status, body = self.http.request("GET", "/server_info", ok_status=(404,))
@@ -222,11 +228,22 @@ def _is_moe(config: dict) -> bool:
 
 def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
     """SHA-256 of the checkpoint's norm weights (never quantized, fused or TP-sharded), as vLLM's
-    ``/weight_checker`` computes them for the same parameter names."""
+    ``/weight_checker`` computes them for the same parameter names. ``ckpt`` may be a staging area
+    (its committed files)."""
     from qconvert.convert.safetensors_io import read_header
     from qconvert.client.staging import shard_files
+    from qconvert.formats import staging as fmt
 
     out = {}
+    if fmt.is_area(Path(ckpt)):
+        with fmt.committed(Path(ckpt)) as view:
+            for f in view.files:
+                with open(view.directory / f.name, "rb") as fh:
+                    for name, t in f.tensors.items():
+                        if "norm" in name and name.endswith(".weight"):
+                            fh.seek(t.offset)
+                            out[name] = hashlib.sha256(fh.read(t.nbytes)).hexdigest()
+        return out
     for shard in shard_files(Path(ckpt)):
         h = read_header(shard)
         with open(shard, "rb") as f:
@@ -266,7 +283,8 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
 
 
 def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollback: str | None,
-                expected_contract: dict | None, check_contract: bool, record_as: str | None = None) -> ReloadResult:
+                expected_contract: dict | None, check_contract: bool, record_as: str | None = None,
+                verify: bool = False) -> ReloadResult:
     import time
 
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
@@ -317,10 +335,14 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
         client.set_weight_version(version)
         _state_record(client.url, version, str(record_as or path))
 
-    return load_paused(client, path, pause=pause, version=version, t0=t0,
-                       load=lambda: reload_checkpoint(client, path), previous=previous, rollback=restore,
-                       not_restored="could not restore the previous weights; the server's weights are undefined, "
-                                    "reload a good checkpoint or restart it", after=after)
+    loaded: list = []  # the workers' load statistics of a staging area
+    res = load_paused(client, path, pause=pause, version=version, t0=t0,
+                      load=lambda: loaded.extend(reload_checkpoint(client, path, verify=verify)),
+                      previous=previous, rollback=restore,
+                      not_restored="could not restore the previous weights; the server's weights are undefined, "
+                                   "reload a good checkpoint or restart it", after=after)
+    res.load = loaded
+    return res
 
 
 def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
@@ -344,13 +366,15 @@ def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", 
     make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout,
                                                    reload_timeout=reload_timeout, retries=retries))
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
-    path, contract, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    # a staging area's data digests are checked only with --verify (by the worker that maps it, and here)
+    path, contract, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint,
+                                            lambda name: open_area(name, verify_data=verify))
     # a staging area removed after the reload cannot be a later rollback target: record the source
     record_as = str(Path(ckpt).resolve()) if staged and not keep_staged else None
     version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
     try:
         results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
-                                                                  check_contract, record_as))
+                                                                  check_contract, record_as, verify))
         if errors:
             raise ReloadError("; ".join(errors))
         if verify:
@@ -366,12 +390,26 @@ def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", 
 # ------------------------------------------------------------------------------- pre-shuffled checkpoints
 
 
-def reload_checkpoint(client, path: str | Path) -> list:
-    """Reload ``path`` into the server behind ``client`` (a ``VllmClient``): through
-    ``qconvert_load_preshuffled`` when the checkpoint has a layout, else stock
-    ``reload_weights``. Raises ServerError with the worker's refusal verbatim."""
+def reload_checkpoint(client, path: str | Path, verify: bool = False) -> list:
+    """Reload ``path`` into the server behind ``client`` (a ``VllmClient``). A staging area goes
+    through the worker extension's ``qconvert_load_staged`` (each rank maps its own files, no copy,
+    docs/reload.md#vllm-staged-load) and the list of the workers' load statistics is returned; a
+    server without the extension gets stock ``reload_weights`` of the committed files, read under
+    the committed slot's shared lock. A checkpoint directory with a layout goes through
+    ``qconvert_load_preshuffled``, any other through stock ``reload_weights``. Raises ServerError
+    with the worker's refusal verbatim."""
     from qconvert.engine.vllm_layout_loader import has_layout  # imports torch
+    from qconvert.formats import staging as fmt
 
+    if fmt.is_area(Path(path)):
+        if client.has_extension():
+            return client.collective_rpc(STAGED_RPC, area=str(path), verify=bool(verify))
+        with fmt.committed(Path(path)) as view:  # the writer waits while the server reads this slot
+            if any(f.rank is not None for f in view.files):
+                raise ReloadError(f"{client.url}: {path} holds per-rank files, which only qconvert's worker "
+                                  f"extension reads; restart the server with {EXTENSION_FLAG}")
+            client.reload_weights(str(view.directory))
+        return []
     if has_layout(path):
         return client.collective_rpc(PRESHUFFLED_RPC, path=str(path))
     client.reload_weights(str(path))

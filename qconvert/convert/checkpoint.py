@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..formats.dialects import HF_QUANT_CONFIG
-from ..formats.manifest import MANIFEST_NAME
+from ..formats.manifest import MANIFEST_NAME, layout_section
 from .safetensors_io import Header, TensorEntry, file_kind, open_regular, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -164,74 +164,226 @@ def extra_members(root: Path, hub: bool = False, dirs: list[Path] | None = None)
     return out
 
 
-def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
-    root, rev = resolve_source(src, allow_download)
-    hub = rev is not None
-    cfg_path = root / "config.json"
-    if not os.path.lexists(cfg_path):
-        raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs config.json beside its weights")
-    try:
-        config = read_member_json(root, cfg_path, hub)
-        if not isinstance(config, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); restore the original config.json") from None
-    if "quantization_config" in config:
-        qm = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
-        raise CheckpointError(f"{cfg_path}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts BF16 checkpoints")
+# ---- the one checkpoint-directory reader -------------------------------------------------------
 
+CONFIG_NAME = "config.json"
+
+
+class Problem(str):
+    """One consistency problem of a checkpoint directory: the one-line text (a ``str``, so reports
+    print it as is) and ``code``, what the decision is taken on (:data:`PROBLEM_CODES`)."""
+
+    code: str
+
+    def __new__(cls, code: str, text: str):
+        obj = super().__new__(cls, text)
+        obj.code = code
+        return obj
+
+    def __reduce__(self):
+        return Problem, (self.code, str(self))
+
+
+#: Problem codes. Strict mode raises on the first problem whose code is in :data:`FATAL_STRICT`
+#: (what convert refuses); lenient mode (inspect, verify, staging, reload) collects every one.
+PROBLEM_CODES = (
+    "duplicate",  # a tensor stored in two shards
+    "index-missing-tensor",  # the index lists a tensor that its shard does not hold
+    "index-wrong-shard",  # the index lists a tensor in another shard than the one holding it
+    "not-in-index",  # a shard holds a tensor the index does not list
+    "unlisted-shard",  # a top-level .safetensors file the index does not list (engines skip it)
+    "no-index",  # several .safetensors files and no index
+    "total-size",  # the index's metadata.total_size is not the tensors' byte count
+)
+FATAL_STRICT = frozenset({"duplicate", "index-missing-tensor", "index-wrong-shard", "not-in-index", "no-index"})
+
+_UNREAD = object()
+
+
+def _json_member(root: Path, p: Path, what: str, hub: bool = False) -> dict:
+    """A guarded JSON object file of the checkpoint; one-line CheckpointError otherwise."""
+    try:
+        obj = read_member_json(root, p, hub)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e}); restore the {what}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{p}: {what} must be a JSON object; restore it")
+    return obj
+
+
+def read_config(root: str | os.PathLike, hub: bool = False) -> dict:
+    """``config.json`` of a checkpoint directory (guarded, a JSON object)."""
+    root = Path(root)
+    p = root / CONFIG_NAME
+    if not os.path.lexists(p):  # present but not a regular file: the guarded read says what it is
+        raise CheckpointError(f"{p}: missing; a Hugging Face checkpoint needs config.json beside its weights")
+    return _json_member(root, p, CONFIG_NAME, hub)
+
+
+def _optional_json(root: Path, name: str, hub: bool = False) -> dict | None:
+    p = root / name
+    return _json_member(root, p, name, hub) if os.path.lexists(p) else None
+
+
+def read_manifest(root: str | os.PathLike) -> dict | None:
+    """qconvert's manifest of a checkpoint directory, None when it has none (not written by
+    qconvert); a corrupt one, a link out of ``root`` or a FIFO is a one-line CheckpointError."""
+    return _optional_json(Path(root), MANIFEST_NAME)
+
+
+#: the manifest's ``layout`` section (the kernel-layout contract of a pre-shuffled checkpoint),
+#: None when there is none (formats.manifest.layout_section)
+manifest_layout = layout_section
+
+
+@dataclass
+class CheckpointDir:
+    """A checkpoint directory as :func:`open_checkpoint` read it: config, index, every shard's
+    validated header, and the problems found. ``hf_quant_config`` and ``manifest`` are read on
+    first use (eagerly in lenient mode)."""
+    root: Path
+    config: dict
+    index: dict | None  # the parsed index (its weight_map checked), None without one
+    shards: list[Header]  # in index order (sorted shard names), else sorted file names
+    tensors: dict[str, TensorEntry]  # name -> entry; a duplicate keeps its first shard's
+    shard_of: dict[str, str]  # tensor name -> shard file name
+    problems: list[Problem] = field(default_factory=list)
+    hub: bool = False
+    _hf_quant_config: object = field(default=_UNREAD, repr=False)
+    _manifest: object = field(default=_UNREAD, repr=False)
+
+    @property
+    def hf_quant_config(self) -> dict | None:
+        if self._hf_quant_config is _UNREAD:
+            self._hf_quant_config = _optional_json(self.root, HF_QUANT_CONFIG, self.hub)
+        return self._hf_quant_config
+
+    @property
+    def manifest(self) -> dict | None:
+        if self._manifest is _UNREAD:
+            self._manifest = _optional_json(self.root, MANIFEST_NAME, self.hub)
+        return self._manifest
+
+    @property
+    def layout(self) -> dict | None:
+        return manifest_layout(self.manifest)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    def extra_files(self, dirs: list[Path] | None = None) -> list[Path]:
+        """The files convert copies verbatim (:func:`extra_members`), shards excluded."""
+        shard_paths = {h.path.resolve() for h in self.shards}
+        return [p for p in extra_members(self.root, self.hub, dirs) if p.resolve() not in shard_paths]
+
+
+def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = False) -> CheckpointDir:
+    """The one reader of a checkpoint directory (every file through :func:`guard`: nothing outside
+    ``root``, no FIFO): config.json, the index, every shard's validated header.
+
+    Always an error: no directory, config.json missing or not a JSON object, a malformed index, an
+    index naming a shard outside ``root`` or a missing one, no ``.safetensors`` file. The
+    directory's consistency problems (:data:`PROBLEM_CODES`) are collected in ``problems``;
+    ``strict`` (what convert requires) raises the first of :data:`FATAL_STRICT`, and also refuses
+    pickle-only and tensor-less checkpoints. Lenient (inspect, verify, staging, reload) reads
+    hf_quant_config.json and the manifest at once, as inspect always did. ``hub``: ``root`` is a
+    Hub cache snapshot, whose links may point into its blob store.
+    """
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
+    config = read_config(root, hub)
+    ck = CheckpointDir(root, config, None, [], {}, {}, hub=hub)
+    if not strict:
+        ck.hf_quant_config, ck.manifest  # noqa: B018 -- read now: a corrupt one is an error of the read
+    problems = ck.problems
     index_path = root / INDEX_NAME
+    on_disk = sorted(p.name for p in root.glob("*.safetensors"))
     if os.path.lexists(index_path):
         try:
             index = read_member_json(root, index_path, hub)
+            if not isinstance(index, dict):
+                raise ValueError("not a JSON object")
             wmap = index["weight_map"]
             if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
                 raise ValueError("weight_map must map tensor names to shard file names")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index_path}: malformed index ({e}); re-download it") from None
-        shard_names = sorted(set(wmap.values()))
-        for rel in shard_names:
+            raise CheckpointError(f"{index_path}: malformed index ({e}); rewrite or re-download it") from None
+        ck.index = index
+        files = sorted(set(wmap.values()))
+        for rel in files:
             _check_inside(root, _safe_member(root, rel, index_path), hub)
-        shards = []
-        for rel in shard_names:
-            p = root / rel
-            if not os.path.lexists(p):
-                raise CheckpointError(f"{p}: shard listed in {INDEX_NAME} is missing; re-download the checkpoint")
-            shards.append(read_header(guard(root, p, hub)))
-        seen: dict[str, Path] = {}
-        for h in shards:
-            for name in h.entries:
-                if name in seen:
-                    raise CheckpointError(f"tensor {name!r} appears in both {seen[name].name} and {h.path.name}; the checkpoint is inconsistent")
-                seen[name] = h.path
-        for name, rel in wmap.items():
-            if name not in seen:
-                raise CheckpointError(f"{index_path}: tensor {name!r} is listed in {rel} but that shard does not hold it; re-download the checkpoint")
-            if seen[name].name != Path(rel).name:
-                raise CheckpointError(f"{index_path}: tensor {name!r} is listed in {rel} but stored in {seen[name].name}")
-        unlisted = [n for n in seen if n not in wmap]
-        if unlisted:
-            raise CheckpointError(f"{index_path}: tensor {unlisted[0]!r} in {seen[unlisted[0]].name} is not in the index; re-download the index")
+        for rel in files:
+            if not os.path.lexists(root / rel):  # a FIFO or link: guard() below says what it is
+                raise CheckpointError(f"{root / rel}: shard listed in {INDEX_NAME} is missing; "
+                                      "re-download the checkpoint (or re-run the conversion)")
+        listed = {Path(rel).name for rel in files if "/" not in rel}
+        for extra in on_disk:
+            if extra not in listed:
+                problems.append(Problem("unlisted-shard", f"{root / extra}: shard not listed in {INDEX_NAME}; engines will "
+                                                          "not load it — delete it or add it to the index"))
     else:
-        files = sorted(root.glob("*.safetensors"))
-        if len(files) == 1:
-            shards = [read_header(guard(root, files[0], hub))]
-        elif len(files) > 1:
-            raise CheckpointError(f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index or keep one file")
-        else:
+        files = on_disk
+        if len(files) > 1:
+            problems.append(Problem("no-index", f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; "
+                                                "add the index or keep one file"))
+    if not files and (ck.index is None or not strict):  # strict: an empty index is an empty model (below)
+        if strict:
             pickles = sorted(list(root.glob("*.bin")) + list(root.glob("*.pt")) + list(root.glob("*.pth")))
             if pickles:
                 raise CheckpointError(
                     f"{pickles[0]}: pickle checkpoints can execute code and are refused; convert to safetensors first "
                     "(e.g. transformers' save_pretrained(safe_serialization=True)) or pass --allow-pickle")
-            raise CheckpointError(f"{root}: no .safetensors weights found")
-    if not any(h.entries for h in shards):
-        raise CheckpointError(f"{root}: the checkpoint holds no tensors (empty model)")
+        raise CheckpointError(f"{root}: no .safetensors weights found")
+    if strict and any(p.code in FATAL_STRICT for p in problems):
+        raise CheckpointError(next(p for p in problems if p.code in FATAL_STRICT))
+    ck.shards = [read_header(guard(root, root / rel, hub)) for rel in files]
+    for h in ck.shards:
+        for name, e in h.entries.items():
+            if name in ck.tensors:
+                problems.append(Problem("duplicate", f"tensor {name!r} appears in both {ck.shard_of[name]} and "
+                                                     f"{h.path.name}; the checkpoint is inconsistent: remove one copy"))
+                continue
+            ck.tensors[name] = e
+            ck.shard_of[name] = h.path.name
+    if ck.index is not None:
+        wmap = ck.index["weight_map"]
+        for name, rel in sorted(wmap.items()):
+            if name not in ck.tensors:
+                problems.append(Problem("index-missing-tensor", f"{index_path}: tensor {name!r} listed in {rel} but that "
+                                                                "shard does not hold it; rewrite the index or re-download"))
+            elif ck.shard_of[name] != Path(rel).name:
+                problems.append(Problem("index-wrong-shard", f"{index_path}: tensor {name!r} listed in {rel} but stored "
+                                                             f"in {ck.shard_of[name]}; rewrite the index"))
+        for name in sorted(set(ck.tensors) - set(wmap)):
+            problems.append(Problem("not-in-index", f"{index_path}: tensor {name!r} in {ck.shard_of[name]} is not in the "
+                                                    "index; rewrite the index"))
+        meta = ck.index.get("metadata")
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        if total is not None and total != ck.total_bytes:
+            problems.append(Problem("total-size", f"{index_path}: metadata.total_size {total} != {ck.total_bytes} "
+                                                  "bytes of tensor data; rewrite the index"))
+    if strict:
+        fatal = [p for p in problems if p.code in FATAL_STRICT]
+        if fatal:
+            raise CheckpointError(fatal[0])
+        if not ck.tensors:
+            raise CheckpointError(f"{root}: the checkpoint holds no tensors (empty model)")
+    return ck
 
-    shard_paths = {h.path.resolve() for h in shards}
+
+def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
+    """What convert reads: SRC resolved (directory or Hub id), read strictly (:func:`open_checkpoint`),
+    not already quantized, with the files copied verbatim into the output."""
+    root, rev = resolve_source(src, allow_download)
+    ck = open_checkpoint(root, strict=True, hub=rev is not None)
+    config = ck.config
+    from .fp8_source import declared_block
+    declared_block(config, ck.root / CONFIG_NAME)  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []
-    extra = [p for p in extra_members(root, hub, dirs) if p.resolve() not in shard_paths]
-    return Checkpoint(root=root, config=config, shards=shards, source_id=src, revision=rev, extra_files=extra,
+    extra = ck.extra_files(dirs)
+    return Checkpoint(root=root, config=config, shards=ck.shards, source_id=src, revision=rev, extra_files=extra,
                       extra_dirs=dirs)
 
 

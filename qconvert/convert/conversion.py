@@ -15,7 +15,7 @@ import torch
 
 from ..errors import OutputError, QConvertError
 from ..formats import dialects
-from . import destination, kernels
+from . import destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -51,9 +51,21 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     """Resolve and plan: the checkpoint, its plan, the dialect and the jobs."""
     ckpt = load_checkpoint(src)
     inventory = {n: (e.dtype, e.shape) for n, e in ckpt.tensors.items()}
+    qsrc = fp8_source.detect(ckpt.config, inventory, ckpt.root / "config.json")
+    if qsrc is not None:  # FP8 block-scaled source: planned as BF16, decoded by the jobs
+        if opts.scheme not in ("mxfp8", "nvfp4"):
+            raise QConvertError(f"{ckpt.root}: an FP8 block-scaled source converts to mxfp8 or nvfp4 only")
+        inventory = qsrc.logical_inventory(inventory)
+    # fused expert tensors planned as their per-expert matrices (fused.py)
+    inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
     plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
-    return ckpt, plan, dialect, build_jobs(plan, opts.scheme, dialect, opts)
+    built = build_jobs(plan, opts.scheme, dialect, opts)
+    built.jobs = fused.merge_jobs(built.jobs, views)
+    if qsrc is not None:
+        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
+        built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
+    return ckpt, plan, dialect, built
 
 
 def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> ConvertResult:
@@ -85,7 +97,7 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
     try:
         input_sha, output_sha = Runner(ckpt, jobs, tmp, opts, bytes_in, journal=part).run()
         write_metadata(ckpt, plan, jobs, built.layout_layers, scheme, dialect, tmp, opts, input_sha, output_sha,
-                       created=part.created)
+                       created=part.created, source=built.source)
         part.finish()
         try:
             destination.install(tmp, dst, opts.force)  # under the lock: released only once DST is in place

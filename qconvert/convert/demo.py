@@ -157,14 +157,16 @@ def write_sharded(dst: Path, tensors: dict[str, torch.Tensor], n_shards: int):
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2))
 
 
-def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_shards: int = 3) -> Path:
-    """Create the tiny demo checkpoint at ``dst`` (must not exist). Offline, deterministic."""
+def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_shards: int = 3,
+                     overrides: dict | None = None) -> Path:
+    """Create the tiny demo checkpoint at ``dst`` (must not exist). Offline, deterministic.
+    ``overrides``: config keys to change (sizes; scripts/bench_reload.py builds larger models so)."""
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise OutputError(f"{dst}: already exists and is not empty; choose another directory")
     dst.mkdir(parents=True, exist_ok=True)
     eos = _tokenizer_files(dst)
-    config = demo_config(arch, eos)
+    config = {**demo_config(arch, eos), **(overrides or {})}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2))

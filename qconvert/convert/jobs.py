@@ -40,6 +40,8 @@ class Job:
     fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     fmt: str
     device_input: bool = False  # the reader thread moves its sources to opts.device (CUDA overlap)
+    #: the per-expert jobs a job reading fused expert tensors runs (fused.merge_jobs); None otherwise
+    parts: list | None = None
 
 
 @dataclass
@@ -48,6 +50,8 @@ class BuiltJobs:
     kernel layout (HF experts prefix -> scheme; empty without ``--layout``)."""
     jobs: list[Job]
     layout_layers: dict[str, str] = field(default_factory=dict)
+    #: a quantized source (fp8_source.Fp8BlockSource) the jobs decode, None for BF16 sources
+    source: object = None
 
 
 def non_finite_error(name: str) -> CheckpointError:
@@ -235,12 +239,19 @@ def out_nbytes(o: dialects.OutTensor) -> int:
 
 
 def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
+    from .safetensors_io import DTYPES
     entries = ckpt.tensors
+
+    def nbytes(s):  # a per-expert view of a fused tensor (fused.py) is not in the checkpoint
+        if s in entries:
+            return entries[s].nbytes
+        t = plan.tensors[s]
+        return int(np.prod(t.shape)) * DTYPES[t.dtype][0].itemsize
     rows = []
-    for j in jobs:
+    for j in (p for j in jobs for p in (j.parts or [j])):
         tp = plan.tensors[j.sources[0]]
         rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
-                            sum(entries[s].nbytes for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
+                            sum(nbytes(s) for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
                             tuple(j.sources)))
     return rows
 

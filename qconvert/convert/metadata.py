@@ -26,7 +26,8 @@ def _write_json(path: Path, obj):
 
 def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers: dict[str, str], scheme: str,
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
-                   created: str | None = None):
+                   created: str | None = None, source=None):
+    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
     config = dict(ckpt.config)
     qcfg, extra = dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
     if qcfg is not None:
@@ -59,13 +60,16 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
             continue
         tensors[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
                               "shape": list(tp.shape), "reason": tp.reason}
+        if source is not None and tp.module in source.paths:
+            tensors[tp.module]["source_path"] = source.paths[tp.module]
     manifest = _manifest.build(
         version=__version__, created=created or _resume.created_timestamp(), scheme=scheme, dialect=dialect,
         source={"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
                 "sha256": {n: d for n, d in input_sha.items() if d},
                 **({} if all(input_sha.values()) else
                    {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                    else "not recorded (--no-source-checksums)"})},
+                    else "not recorded (--no-source-checksums)"}),
+                **({} if source is None else {"quantized": source.manifest()})},
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         non_finite_allowed=opts.allow_non_finite, bf16_layers=plan.bf16_layers, exclusions=plan.exclusions,
         output_sha=output_sha, output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",

@@ -7,3 +7,5 @@ WORKER_EXTENSION = "qconvert.engine.vllm_worker.WorkerExtension"
 EXTENSION_FLAG = f"--worker-extension-cls {WORKER_EXTENSION}"
 #: the worker-extension method that loads a pre-shuffled checkpoint (``collective_rpc``)
 PRESHUFFLED_RPC = "qconvert_load_preshuffled"
+#: the worker-extension method that loads a shared-memory staging area in place (``collective_rpc``)
+STAGED_RPC = "qconvert_load_staged"

@@ -227,7 +227,9 @@ def _build_classes():
 
     class _PlainTorchExperts:
         """What vLLM asks of an experts method that runs its own loop: not monolithic, no
-        kernel quant config, no special top-k index dtype. Listed first in the bases."""
+        kernel quant config, no special top-k index dtype; and the loop itself (``apply``: the
+        :func:`cpu_moe_experts` op over the weights ``process_weights_after_loading`` dequantized
+        into ``layer._qc_w13`` / ``layer._qc_w2``). Listed first in the bases."""
 
         @property
         def is_monolithic(self) -> bool:
@@ -239,6 +241,22 @@ def _build_classes():
 
         def get_fused_moe_quant_config(self, layer):
             return None
+
+        def activation_quant(self, layer) -> tuple:
+            """(a13_gs, a2_gs, group_size) for :func:`cpu_moe_experts`: NVFP4 W4A4 activation
+            scales, or ``None``s where the activations stay BF16."""
+            return None, None, 0
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            return cpu_moe_experts(
+                x,
+                layer._qc_w13,
+                layer._qc_w2,
+                topk_weights,
+                topk_ids,
+                layer.apply_router_weight_on_input,
+                *self.activation_quant(layer),
+            )
 
     class CpuModelOptMxFp8FusedMoE(_PlainTorchExperts, mo.ModelOptMxFp8FusedMoE):
         """ModelOpt MXFP8 MoE with plain-torch experts (weights dequantized once at load)."""
@@ -261,19 +279,6 @@ def _build_classes():
             layer._qc_w2 = dequant_mxfp8_to_bf16(
                 layer.w2_weight.data, layer.w2_weight_scale.data
             ).to(dtype)
-
-        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            return cpu_moe_experts(
-                x,
-                layer._qc_w13,
-                layer._qc_w2,
-                topk_weights,
-                topk_ids,
-                layer.apply_router_weight_on_input,
-                None,
-                None,
-                0,
-            )
 
     # NB: the class names must contain "ModelOpt": vLLM's RoutedExperts.weight_loader picks the
     # ModelOpt scale-loading branch by ``"ModelOpt" in type(quant_method).__name__``.
@@ -337,15 +342,9 @@ def _build_classes():
                 layer._qc_a13_gs = get_reciprocal(a13)
                 layer._qc_a2_gs = get_reciprocal(a2)
 
-        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        def activation_quant(self, layer) -> tuple:
             a4 = not self.use_a16
-            return cpu_moe_experts(
-                x,
-                layer._qc_w13,
-                layer._qc_w2,
-                topk_weights,
-                topk_ids,
-                layer.apply_router_weight_on_input,
+            return (
                 layer._qc_a13_gs if a4 else None,
                 layer._qc_a2_gs if a4 else None,
                 self.quant_config.group_size,

@@ -221,19 +221,38 @@ def _read(he) -> torch.Tensor:
     from qconvert.convert.safetensors_io import ShardReader
 
     h, e = he
+    if hasattr(h, "tensor"):  # a mapped staging file (vllm_staged.MappedFile): a view, no read
+        return h.tensor(e.name)
     with ShardReader(h, hash_file=False) as r:
         return r.read(e.name)
 
 
+def staged_entries(maps) -> dict[str, tuple]:
+    """name -> (mapped file, TensorEntry) over mapped staging files (``vllm_staged.MappedFile``):
+    the same handles :func:`plan_preshuffled_load` gets from shard headers, from the staging
+    area's description instead of a header parse."""
+    from qconvert.convert.safetensors_io import TensorEntry
+
+    out: dict[str, tuple] = {}
+    for m in maps:
+        for name, t in m.spec.tensors.items():
+            if name in out:
+                raise _refuse(str(m.path), f"tensor {name} appears in two staged files")
+            out[name] = (m, TensorEntry(name, t.dtype, tuple(t.shape), t.offset, t.offset + t.nbytes))
+    return out
+
+
 def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
-                          flashinfer_version: object = _LOOKUP) -> PreshuffledPlan:
+                          flashinfer_version: object = _LOOKUP, layout: dict | None = None,
+                          entries: dict[str, tuple] | None = None) -> PreshuffledPlan:
     """Check the checkpoint against the live ``model``; raise :class:`PreshuffledLoadError` on the
     first mismatch. Reads headers only (and NVFP4 input scales). ``flashinfer_version``:
-    the installed version (default: looked up; None = not installed)."""
+    the installed version (default: looked up; None = not installed). ``layout`` and ``entries``
+    (from :func:`staged_entries`) replace reading ``ckpt``'s manifest and shard headers."""
     from qconvert.convert.layouts import trtllm
 
     ckpt = Path(ckpt)
-    lay = read_layout(ckpt)
+    lay = layout if layout is not None else read_layout(ckpt)
     if lay is None:
         raise _refuse(str(ckpt), f"no 'layout' in {MANIFEST}: not a pre-shuffled checkpoint (use reload_weights)")
     if lay.get("name") != trtllm.LAYOUT_NAME:
@@ -267,7 +286,8 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
             raise _refuse(where, f"written for FlashInfer {c.get('flashinfer_version')}, the worker has "
                                  f"{flashinfer_version or 'no flashinfer-python installed'}")
 
-    entries = _checkpoint_entries(ckpt)
+    if entries is None:
+        entries = _checkpoint_entries(ckpt)
     layout_names: dict[str, dict[str, dict[str, tuple]]] = {}  # prefix -> tag -> param -> he
     other = []
     for name, he in entries.items():
@@ -347,6 +367,11 @@ def iter_other(plan: PreshuffledPlan) -> Iterator[tuple[str, torch.Tensor]]:
         by_shard.setdefault(str(h.path), []).append(e.name)
         headers[str(h.path)] = h
     for path, names in by_shard.items():
+        if hasattr(headers[path], "tensor"):  # a mapped staging file: views in file order
+            m = headers[path]
+            for name in sorted(names, key=lambda n: m.spec.tensors[n].offset):
+                yield name, m.tensor(name)
+            continue
         with ShardReader(headers[path], hash_file=False) as r:
             for e, t in r.iter_tensors(set(names)):
                 yield e.name, t
@@ -371,12 +396,14 @@ def copy_layout_tensors(plan: PreshuffledPlan) -> tuple[int, int]:
 
 def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
                      load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object], *,
-                     flashinfer_version: object = _LOOKUP) -> dict:
+                     flashinfer_version: object = _LOOKUP, layout: dict | None = None,
+                     entries: dict[str, tuple] | None = None) -> dict:
     """Check, load the non-layout tensors with ``load_weights``, then copy the layout tensors.
 
     ``load_weights`` gets an iterator of (name, tensor) in the checkpoint dialect. Returns a
     JSON-serialisable summary."""
-    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version)
+    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version, layout=layout,
+                                 entries=entries)
     n_other = 0
 
     def counted():
@@ -390,6 +417,12 @@ def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
     return {"layers": len(plan.layers), "skipped_layers": plan.skipped, "expert_tensors": n,
             "expert_bytes": nbytes, "other_tensors": n_other, "tp": plan.tp, "ep": plan.ep,
             "tp_rank": plan.tp_rank, "ep_rank": plan.ep_rank}
+
+
+def load_preshuffled_entries(model: torch.nn.Module, where: str, layout: dict, maps, load_weights) -> dict:
+    """:func:`load_preshuffled` from mapped staging files (``qconvert_load_staged``): the files this
+    rank selected (its own layout tensors and the replicated ones), viewed in place."""
+    return load_preshuffled(model, where, load_weights, layout=layout, entries=staged_entries(maps))
 
 
 def load_into_worker(worker, path: str) -> dict:

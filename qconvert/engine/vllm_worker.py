@@ -4,8 +4,10 @@
 
 Why it exists (vLLM 0.32.0, found in testing; see :mod:`qconvert.client.vllm_client`): the CPU
 build leaves MoE experts unprepacked after ``reload_weights`` (``qconvert_repack_cpu_moe``), a
-failed reload leaves half-loaded layers' buffers behind (``qconvert_clear_failed_reload``), and a
-pre-shuffled checkpoint needs its own loader (``qconvert_load_preshuffled``).
+failed reload leaves half-loaded layers' buffers behind (``qconvert_clear_failed_reload``), a
+pre-shuffled checkpoint needs its own loader (``qconvert_load_preshuffled``), and a staging area
+loads without a copy or a header parse, each rank reading its own files (``qconvert_load_staged``,
+:mod:`qconvert.engine.vllm_staged`).
 """
 
 from __future__ import annotations
@@ -67,3 +69,18 @@ class WorkerExtension:
         from qconvert.engine.vllm_layout_loader import load_into_worker
 
         return load_into_worker(self, path)
+
+    def qconvert_load_staged(self, area: str, verify: bool = False, profile: int = 0) -> dict:
+        """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
+        this rank's files: see vllm_staged. Returns load statistics (files, bytes, seconds; with
+        ``profile`` > 0 the most expensive functions of the load)."""
+        from qconvert.engine.vllm_staged import load_staged_into_worker
+
+        return load_staged_into_worker(self, area, verify=verify, profile=profile)
+
+    def qconvert_copy_floor(self, area: str, repeat: int = 3) -> dict:
+        """Benchmark floor (scripts/bench_reload.py): a plain copy of the bytes this rank would load
+        from ``area`` into preallocated tensors, timed in this worker."""
+        from qconvert.engine.vllm_staged import copy_floor
+
+        return copy_floor(self.model_runner.get_model(), area, repeat=repeat)

@@ -11,7 +11,7 @@ MXFP8 (docs/formats.md#mxfp8-dialects):
 NVFP4 (docs/formats.md#nvfp4):
   ``modelopt``            ``X.weight`` uint8 [N, K/2], ``X.weight_scale`` e4m3 [N, K/16],
                           ``X.weight_scale_2`` fp32 [] (amax/2688, decode), ``X.input_scale`` fp32 [];
-                          ``quant_method: modelopt``, ``quant_algo: NVFP4``, ``ignore``.
+                          ``quant_method: modelopt``, ``quant_algo: NVFP4`` (W4A4) or ``W4A16_NVFP4`` (weight-only), ``ignore``.
   ``compressed-tensors``  ``X.weight_packed``, ``X.weight_scale``, ``X.weight_global_scale`` fp32 [1]
                           (2688/amax, encode), ``X.input_global_scale`` fp32 [1]; ``config_groups``,
                           ``format: nvfp4-pack-quantized``, ``ignore`` (exact names or ``re:``).
@@ -192,7 +192,9 @@ def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> 
     if dialect == "modelopt":
         qc = {
             "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
+            # weight-only: the ModelOpt algo that both pinned engines read as W4A16 (SGLang would
+            # otherwise run W4A4 with a default input scale), docs/formats.md#nvfp4-modelopt-dialect
+            "quant_algo": "W4A16_NVFP4" if w4a16 else "NVFP4",
             "group_size": NVFP4_BLOCK,
             "kv_cache_scheme": None,
             IGNORE: excl,

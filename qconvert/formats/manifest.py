@@ -69,7 +69,7 @@ def is_qconvert(manifest: dict | None) -> bool:
 def layout_section(manifest: dict | None) -> dict | None:
     """The ``layout`` section of a pre-shuffled checkpoint's manifest, or None (a plain checkpoint)."""
     lay = manifest.get(LAYOUT_KEY) if isinstance(manifest, dict) else None
-    return lay or None
+    return lay if isinstance(lay, dict) and lay else None
 
 
 def find_layouts(manifest: dict | None) -> list[dict]:

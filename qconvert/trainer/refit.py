@@ -70,6 +70,7 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
     """Quantize ``named_tensors`` with the converter's plan for ``reference`` and stage them as ``stage_name``."""
     from qconvert.formats import dialects
     from qconvert.convert.pipeline import ConvertOptions, build_jobs
+    from qconvert.convert import fused
     from qconvert.convert.plan import build_plan
 
     opts = options or ConvertOptions()
@@ -77,6 +78,7 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
         raise QConvertError("refit does not pre-shuffle (options.layout); reload plain checkpoints")
     scheme = opts.scheme
     config, inv = reference_inventory(reference)
+    inv, views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
     plan = build_plan(inv, config, opts.plan)
     dialect = dialects.resolve_dialect(scheme, opts.dialect)
     jobs = build_jobs(plan, scheme, dialect, opts).jobs  # the plan holds each tensor's dtype and shape
@@ -115,7 +117,8 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
             w.add_group(batch)
             res_out += len(batch)
 
-        for name, t in named_tensors:
+        # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
+        for name, t in fused.split_stream(named_tensors, config, views):
             key = group_of_source.get(name)
             if key is None:
                 raise QConvertError(f"refit: tensor {name!r} is not in the reference checkpoint {reference}; "

@@ -1,0 +1,295 @@
+"""Engine side: load a shared-memory staging area into a running vLLM worker without copying it.
+
+``WorkerExtension.qconvert_load_staged(area, verify=False)`` (``qconvert/engine/vllm_worker.py``)
+calls :func:`load_staged_into_worker`. The area (version 1, written by ``qconvert stage``, or
+version 2, written by a refit: docs/reload.md#staging-area-format) is read through
+``qconvert.formats.staging``, never re-parsed from the safetensors headers:
+
+1. ``committed(area)`` gives the committed files with every tensor's dtype, shape and data offset
+   and, for a version 2 area, holds the committed slot's shared ``flock`` until the load ends, so a
+   refit can never overwrite the slot being read (it waits, docs/reload.md#staging-area-format).
+2. This server rank reads only its own files (docs/reload.md#per-rank-files): every ``rank: null``
+   file and the files of its (tp_rank, ep_rank), taken from the MoE layers' parallel config (the
+   ranks the pre-shuffled layout is written for), else vLLM's tensor parallel rank.
+3. Each file is mapped once, private and read-only in effect (``ACCESS_COPY``: a write would copy
+   the page and never reach the area); every tensor is a view of that mapping
+   (``torch.frombuffer`` sliced at the manifest's offset): no header parse, no allocation and no
+   copy per tensor. vLLM's layerwise reload then copies each view into the layer it rebuilds
+   (docs/reload.md#vllm-staged-load says which copies are vLLM's own).
+4. Plain areas go through ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``;
+   pre-shuffled areas (``qconvert.json`` with a ``layout`` beside the files) through the
+   pre-shuffled loader (``vllm_layout_loader``) fed with the same views.
+
+The mappings are released before the call returns; the result says whether every one could be
+(``mappings_released``: no tensor of vLLM's kept a reference into the area).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
+
+
+class StagedLoadError(QConvertError):
+    """The staging area cannot be loaded by this server rank; nothing was loaded."""
+
+
+@dataclass
+class MappedFile:
+    """One staging file mapped into the worker: ``base`` is a uint8 tensor over the whole file."""
+    name: str
+    path: Path
+    mm: mmap.mmap
+    base: torch.Tensor
+    spec: object  # formats.staging.FileSpec
+
+    def tensor(self, tname: str) -> torch.Tensor:
+        from qconvert.convert.safetensors_io import DTYPES
+
+        t = self.spec.tensors[tname]
+        dtype = DTYPES[t.dtype][0]
+        nbytes = t.nbytes
+        view = self.base[t.offset:t.offset + nbytes]
+        return view.view(dtype).reshape(t.shape) if nbytes else torch.empty(t.shape, dtype=dtype)
+
+    def close(self) -> bool:
+        """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes)."""
+        self.base = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+            return True
+        except BufferError:
+            return False
+
+
+def map_file(directory: Path, spec) -> MappedFile:
+    """Map one staging file (its size checked against the area's description first)."""
+    path = Path(directory) / spec.name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise StagedLoadError(f"{path}: cannot open the staged file ({e.strerror}); restage the area") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != spec.size:
+            raise StagedLoadError(f"{path}: {size} bytes, the staging area says {spec.size} (truncated or "
+                                  "rewritten); restage the area")
+        if size == 0:
+            mm = None
+        else:
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    if mm is None:
+        raise StagedLoadError(f"{path}: empty staged file; restage the area")
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    return MappedFile(spec.name, path, mm, base, spec)
+
+
+def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) of every tensor, file by file, in data-offset order (layer order across files)."""
+    for m in maps:
+        for tname in sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset):
+            yield tname, m.tensor(tname)
+
+
+def file_digest(kind: str, buf) -> str:
+    """Digest of a whole staged file of the kind the area records (``xxh3_128`` or ``sha256``)."""
+    from qconvert.formats import staging as fmt
+
+    if kind == fmt.DIGEST_XXH3:
+        import xxhash
+
+        return xxhash.xxh3_128(buf).hexdigest()
+    if kind == fmt.DIGEST_SHA256:
+        import hashlib
+
+        return hashlib.sha256(buf).hexdigest()
+    raise StagedLoadError(f"digest kind {kind!r} unknown; restage the area with this qconvert")
+
+
+def verify_files(view, maps: list[MappedFile], threads: int = 8) -> None:
+    """Check every mapped file against the committed digests (threads: both hashes release the GIL)."""
+    def one(m: MappedFile) -> str | None:
+        got = file_digest(view.digest, memoryview(m.mm))
+        return None if got == view.digests.get(m.name) else m.name
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(maps)))) as ex:
+        bad = [n for n in ex.map(one, maps) if n]
+    if bad:
+        raise StagedLoadError(f"staging area {view.root}: {bad[0]} does not match its {view.digest} digest "
+                              f"(modified or corrupt); nothing was loaded, restage the area")
+
+
+# ------------------------------------------------------------------------------- ranks
+
+
+def moe_parallel(model: torch.nn.Module) -> tuple[int, int, int, int] | None:
+    """(tp_size, tp_rank, ep_size, ep_rank) of the model's MoE layers (the sizes a pre-shuffled
+    layout is written for), or None for a model without MoE layers."""
+    for m in model.modules():
+        pc = getattr(getattr(m, "moe_config", None), "moe_parallel_config", None)
+        if pc is not None:
+            return int(pc.tp_size), int(pc.tp_rank), int(pc.ep_size), int(pc.ep_rank)
+    return None
+
+
+def server_rank(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(tp_size, tp_rank, ep_size, ep_rank) of this worker for file selection."""
+    got = moe_parallel(model)
+    if got is not None:
+        return got
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), 1, 0
+    except (ImportError, AssertionError, AttributeError):
+        return 1, 0, 1, 0
+
+
+def select_files(view, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int) -> list:
+    """The files of ``view`` this rank reads (docs/reload.md#per-rank-files). An area without
+    per-rank files is read whole by every rank; one with them must match the server's MoE sizes."""
+    from qconvert.formats import staging as fmt
+
+    if all(f.rank is None for f in view.files):
+        return list(view.files)
+    if (view.tp, view.ep) != (tp_size, ep_size):
+        raise StagedLoadError(f"staging area {view.root} holds per-rank files for tp={view.tp} ep={view.ep}, "
+                              f"this server's MoE layers run tp={tp_size} ep={ep_size}; stage it for this "
+                              "server's parallel sizes")
+    return fmt.files_for_rank(view, tp_rank, ep_rank)
+
+
+# ------------------------------------------------------------------------------- load
+
+
+def _layout_of(view) -> dict | None:
+    """The ``layout`` of a pre-shuffled area (``qconvert.json`` beside its files), or None."""
+    from qconvert.engine.vllm_layout_loader import read_layout
+
+    if MANIFEST_NAME not in view.extra_files:
+        return None
+    return read_layout(view.root)
+
+
+def _profiled(fn, top: int):
+    """Run ``fn()`` under cProfile; return the ``top`` functions by cumulative time as short lines."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [f"{v[3]:.3f}s cum {v[2]:.3f}s own {v[1]} calls {Path(k[0]).name}:{k[1]}({k[2]})" for k, v in rows]
+
+
+def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights, *, verify: bool = False,
+                lock_wait_s: float = 60.0, ranks: tuple[int, int, int, int] | None = None,
+                profile: int = 0) -> dict:
+    """Load the committed content of the staging area at ``area`` into ``model``.
+
+    ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
+    format). Returns JSON-serialisable statistics (with ``profile`` > 0, also the load's ``profile``
+    most expensive functions by cumulative time: scripts/bench_reload.py)."""
+    from qconvert.formats import staging as fmt
+
+    t0 = time.perf_counter()
+    root = Path(area)
+    tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
+    maps: list[MappedFile] = []
+    released = True
+    try:
+        with fmt.committed(root, wait_s=lock_wait_s) as view:
+            files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
+            for f in files:
+                maps.append(map_file(view.directory, f))
+            t_map = time.perf_counter()
+            if verify:
+                verify_files(view, maps)
+            t_verify = time.perf_counter()
+            layout = _layout_of(view)
+            n_tensors = sum(len(m.spec.tensors) for m in maps)
+            extra: dict = {}
+
+            def run() -> None:
+                with torch.no_grad():
+                    if layout is None:
+                        reload_weights(iter_tensors(maps))
+                    else:
+                        from qconvert.engine.vllm_layout_loader import load_preshuffled_entries
+
+                        extra.update(load_preshuffled_entries(model, str(root), layout, maps, reload_weights))
+
+            if profile:
+                extra["profile"] = _profiled(run, int(profile))
+            else:
+                run()
+            t_load = time.perf_counter()
+            stats = {"format": view.format, "version": view.version, "slot": view.slot,
+                     "files": len(maps), "files_in_area": len(view.files),
+                     "bytes": sum(m.spec.size for m in maps), "bytes_in_area": view.nbytes,
+                     "tensors": n_tensors, "tp_rank": tp_rank, "ep_rank": ep_rank, "verified": bool(verify),
+                     "map_seconds": t_map - t0, "verify_seconds": t_verify - t_map,
+                     "load_seconds": t_load - t_verify, **extra}
+    finally:
+        for m in maps:
+            released = m.close() and released
+    stats["mappings_released"] = released
+    stats["seconds"] = time.perf_counter() - t0
+    return stats
+
+
+def copy_floor(model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3,
+               ranks: tuple[int, int, int, int] | None = None) -> dict:
+    """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
+    process, one plain copy of every tensor this rank would load, from the same mappings into
+    tensors of the same shapes and dtypes allocated (and touched) beforehand. Returns the bytes
+    and the best of ``repeat`` timings."""
+    from qconvert.formats import staging as fmt
+
+    tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
+    maps: list[MappedFile] = []
+    try:
+        with fmt.committed(Path(area)) as view:
+            for f in select_files(view, tp_size, tp_rank, ep_size, ep_rank):
+                maps.append(map_file(view.directory, f))
+            pairs = [(t, torch.zeros_like(t)) for _, t in iter_tensors(maps)]
+            best = float("inf")
+            for _ in range(max(1, repeat)):
+                t0 = time.perf_counter()
+                for src, dst in pairs:
+                    dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+            nbytes = sum(src.nbytes for src, _ in pairs)
+            del pairs
+    finally:
+        for m in maps:
+            m.close()
+    return {"bytes": nbytes, "tensors": sum(len(m.spec.tensors) for m in maps), "seconds": best,
+            "threads": torch.get_num_threads()}
+
+
+def load_staged_into_worker(worker, area: str, verify: bool = False, profile: int = 0) -> dict:
+    """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker."""
+    runner = worker.model_runner
+
+    def reload_weights(weights):
+        runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+    return load_staged(runner.get_model(), area, reload_weights, verify=verify, profile=profile)

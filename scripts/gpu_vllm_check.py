@@ -1,0 +1,499 @@
+#!/usr/bin/env python3
+"""qconvert checkpoints in a real vLLM on a CUDA GPU (issue #22): accuracy, hot reload, timings.
+
+Run on the device machine after ``source scripts/gpu_vllm_setup.sh PARTS`` (vLLM's CUDA build on
+PYTHONPATH), from the repository root:
+
+    python scripts/gpu_vllm_check.py --out $OUT [--stages kl,reload,refit,online,synthetic]
+
+Stages (each records its figures or its error in ``OUT/gpu_vllm.json``, written after every step):
+
+* ``kl``: the demo models (qwen3, qwen3-moe; seed 0) converted to MXFP8 (auto dialect, plain and
+  last-1-BF16), MXFP8 ModelOpt and NVFP4 W4A16, run with ``vllm.LLM`` next to their BF16 source in
+  one worker (``qconvert.engine.vllm_compare``, what ``verify --engine vllm`` uses): top-1 agreement,
+  mean/max KL of the next-token distributions, identical greedy continuations.
+* ``reload``: a vLLM OpenAI server (127.0.0.1, ``--enforce-eager``, dev mode, qconvert's worker
+  extension) on checkpoint A; ``reload_vllm`` to B through shared memory (outputs change), back to A
+  from disk (outputs equal the first ones exactly), and A->B under 4 concurrent clients
+  (``--pause wait``: every request succeeds; each answer equals A's or B's greedy text for its prompt).
+  Times the pause (POST /pause sent -> /resume answered) and the whole reload.
+* ``refit``: ``qconvert.refit`` of B's BF16 tensors held on the GPU (quantized there,
+  ``device="cuda"``), staged and reloaded; outputs equal reloading B converted on disk.
+* ``online``: vLLM's own path for the same job: the BF16 checkpoint served with
+  ``--quantization mxfp8`` and B's BF16 checkpoint reloaded (vLLM quantizes while loading).
+* ``synthetic``: a 4-layer Qwen3-30B-A3B-shaped checkpoint (``scripts/make_synthetic.py``) in MXFP8:
+  served (token ids only, no tokenizer), reload timings as above.
+
+vLLM 0.26.0 (the release built for the device's torch 2.11) has no ``/weight_info``,
+``/update_weight_version`` or ``/weight_checker`` routes (qconvert's client is written for
+0.32/0.33). This script keeps the weight version client-side for those servers
+(:class:`Versionless`) and checks loads through outputs instead of ``--verify`` checksums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import requests
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
+MAX_TOKENS = 12
+FORMATS = ["mxfp8", "mxfp8-last1", "mxfp8-modelopt", "nvfp4"]
+RESULT: dict = {"stages": {}}
+OUT: Path = Path(".")
+
+
+def log(*a):
+    print("[gpu_vllm]", time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+def save():
+    (OUT / "gpu_vllm.json").write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def stage(name):
+    def deco(fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            log("stage", name)
+            rec = RESULT["stages"].setdefault(name, {})
+            try:
+                fn(rec, *a, **kw)
+                rec["ok"] = True
+            except BaseException as e:  # noqa: BLE001 - record and go on to the next stage
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {e}"[:3000]
+                rec["traceback"] = traceback.format_exc()[-6000:]
+                log("stage", name, "FAILED", rec["error"][:500])
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+            rec["seconds"] = round(time.perf_counter() - t0, 2)
+            save()
+        return run
+    return deco
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def convert(src: Path, dst: Path, fmt: str, device: str = "cpu") -> Path:
+    from qconvert.convert.pipeline import ConvertOptions, convert as run
+    from qconvert.convert.plan import PlanOptions
+
+    scheme = fmt.split("-")[0]
+    last = 1 if fmt.endswith("last1") else 0
+    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last), fsync=False,
+                          progress=False, device=device)
+    if fmt == "mxfp8-modelopt":
+        opts.dialect = "modelopt"
+    if scheme == "nvfp4":
+        opts.input_mode = "weight-only"
+    if not dst.exists():
+        run(str(src), dst, scheme, opts)
+    return dst
+
+
+def demo(root: Path, arch: str, seed: int) -> Path:
+    from qconvert.convert.demo import build_demo_model
+
+    d = root / f"{arch}-s{seed}-bf16"
+    if not d.exists():
+        build_demo_model(d, arch=arch, seed=seed)
+    return d
+
+
+# ------------------------------------------------------------------ server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, logf: Path, extra: list[str] | None = None, timeout: float = 400):
+        from qconvert.client.vllm_client import EXTENSION_FLAG
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
+               "--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.35",
+               *EXTENSION_FLAG.split(), *(extra or [])]
+        self.log = logf
+        self._f = open(logf, "wb")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {logf.read_text()[-3000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.start_s = time.perf_counter() - t0
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM did not start in {timeout} s: {logf.read_text()[-3000:]}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._f.close()
+
+    def model(self) -> str:
+        return requests.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def complete(self, prompt, max_tokens=MAX_TOKENS) -> str:
+        r = requests.post(self.url + "/v1/completions", json={
+            "model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}, timeout=300)
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions {r.status_code}: {r.text[:500]}")
+        c = r.json()["choices"][0]
+        return c.get("text") or json.dumps(c.get("token_ids"))
+
+    def greedy(self, prompts=PROMPTS) -> list[str]:
+        return [self.complete(p) for p in prompts]
+
+
+# ------------------------------------------------------------------ client shims and timing
+
+
+TIMES: list[dict] = []
+
+
+def install_client_shims():
+    """Pause/resume timestamps for every reload, and a client-side weight version where the server
+    has no /weight_info (vLLM < 0.32): qconvert's client records the served path by version."""
+    from qconvert.client import vllm_client as vc
+    from qconvert.client.http import ServerError
+
+    versions: dict[str, str] = {}
+    orig_wv, orig_set, orig_pause, orig_resume, orig_reload = (
+        vc.VllmClient.weight_version, vc.VllmClient.set_weight_version, vc.VllmClient.pause,
+        vc.VllmClient.resume, vc.VllmClient.reload_weights)
+
+    def weight_version(self):
+        try:
+            return orig_wv(self)
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            return versions.get(self.url, "default")
+
+    def set_weight_version(self, v):
+        try:
+            orig_set(self, v)
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            versions[self.url] = v
+
+    def pause(self, mode="wait"):
+        TIMES.append({"url": self.url, "pause_sent": time.perf_counter()})
+        orig_pause(self, mode)
+        TIMES[-1]["paused"] = time.perf_counter()
+
+    def reload_weights(self, path):
+        t = time.perf_counter()
+        orig_reload(self, path)
+        if TIMES:
+            TIMES[-1]["reload_weights_s"] = time.perf_counter() - t
+
+    def resume(self):
+        orig_resume(self)
+        if TIMES:
+            TIMES[-1]["resumed"] = time.perf_counter()
+
+    vc.VllmClient.weight_version = weight_version
+    vc.VllmClient.set_weight_version = set_weight_version
+    vc.VllmClient.pause = pause
+    vc.VllmClient.resume = resume
+    vc.VllmClient.reload_weights = reload_weights
+
+
+def last_pause() -> dict:
+    t = TIMES[-1]
+    return {"pause_to_resume_s": round(t["resumed"] - t["pause_sent"], 4),
+            "drain_s": round(t["paused"] - t["pause_sent"], 4),
+            "reload_weights_rpc_s": round(t.get("reload_weights_s", float("nan")), 4)}
+
+
+def timed_reload(urls, ckpt, **kw) -> dict:
+    from qconvert.client.vllm_client import reload_vllm
+
+    t0 = time.perf_counter()
+    res = reload_vllm(urls, ckpt, **kw)
+    total = time.perf_counter() - t0
+    assert all(r.ok for r in res), res
+    return {"total_s": round(total, 4), **last_pause()}
+
+
+# ------------------------------------------------------------------ stages
+
+
+@stage("env")
+def st_env(rec):
+    import torch
+
+    rec["torch"] = torch.__version__
+    rec["cuda"] = torch.version.cuda
+    rec["gpu"] = torch.cuda.get_device_name(0)
+    rec["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    import vllm
+
+    rec["vllm"] = vllm.__version__
+    rec["vllm_file"] = vllm.__file__
+    from vllm.platforms import current_platform
+
+    rec["platform"] = type(current_platform).__name__
+    rec["shm"] = shutil.disk_usage("/dev/shm")._asdict()
+
+
+@stage("kl")
+def st_kl(rec, root: Path, archs):
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    for arch in archs:
+        src = demo(root, arch, 0)
+        dsts = {f: convert(src, root / f"{arch}-s0-{f}", f) for f in FORMATS}
+        t0 = time.perf_counter()
+        res = run_in_vllm([src, *dsts.values()], PROMPTS, max_tokens=16, score_with_first=True,
+                          llm_kwargs={"gpu_memory_utilization": 0.12}, env={"VLLM_LOGGING_LEVEL": "INFO"},
+                          timeout=900)
+        rec[f"{arch}_wall_s"] = round(time.perf_counter() - t0, 1)
+        base = res["jobs"][0]["stages"][0]
+        for f, job in zip(dsts, res["jobs"][1:]):
+            st = job["stages"][0]
+            m = compare_logprobs(base["score"], st["score"])
+            gen = sum(a == b for a, b in zip(base["tokens"], st["tokens"])) / len(base["tokens"])
+            rec[f"{arch}:{f}"] = {k: m[k] for k in ("top1_agreement", "mean_kl", "max_kl", "max_abs_logprob_diff",
+                                                    "positions", "nonfinite_positions")} | {"generation_agreement": gen}
+            log(arch, f, rec[f"{arch}:{f}"])
+        rec[f"{arch}_stderr_tail"] = res.get("stderr_tail", "")[-1500:]
+        save()
+
+
+def concurrent_check(srv: Server, b_ckpt, a_out, b_out) -> dict:
+    results = []
+    stop = threading.Event()
+
+    def client(k):
+        i = 0
+        while not stop.is_set():
+            p = (k + i) % len(PROMPTS)
+            try:
+                results.append((p, 200, srv.complete(PROMPTS[p])))
+            except Exception as e:  # noqa: BLE001
+                results.append((p, 0, str(e)[:300]))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    timing = timed_reload([srv.url], b_ckpt, pause="wait", weight_version="V-new")
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    failed = [r for r in results if r[1] != 200]
+    which = {"A": 0, "B": 0, "neither": 0}
+    for p, st, text in results:
+        if st == 200:
+            which["A" if text == a_out[p] else "B" if text == b_out[p] else "neither"] += 1
+    return {"requests": len(results), "failed": len(failed), "failed_examples": failed[:3], "answers": which,
+            **{f"reload_{k}": v for k, v in timing.items()}}
+
+
+def reload_round_trip(rec, root: Path, arch: str, fmt: str, repeats: int = 3):
+    a_src, b_src = demo(root, arch, 0), demo(root, arch, 1)
+    a = a_src if fmt == "bf16" else convert(a_src, root / f"{arch}-s0-{fmt}", fmt)
+    b = b_src if fmt == "bf16" else convert(b_src, root / f"{arch}-s1-{fmt}", fmt)
+    os.environ["QCONVERT_STATE_DIR"] = str(root / "state")
+    os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
+    srv = Server(a, OUT / f"server-{arch}-{fmt}.log")
+    r = rec.setdefault(f"{arch}:{fmt}", {})
+    r["server_start_s"] = round(srv.start_s, 1)
+    try:
+        orig = srv.greedy()
+        r["greedy_a"] = orig
+        shm = [timed_reload([srv.url], b, via="shm", weight_version=f"B{i}") for i in range(repeats)]
+        out_b = srv.greedy()
+        r["reload_b_shm"] = shm
+        r["outputs_changed"] = out_b != orig
+        disk = [timed_reload([srv.url], a, weight_version=f"A{i}") for i in range(repeats)]
+        r["reload_a_disk"] = disk
+        r["restored_exactly"] = srv.greedy() == orig
+        r["concurrent"] = concurrent_check(srv, b, orig, out_b)
+        timed_reload([srv.url], a, weight_version="A-end")
+        r["restored_after_concurrent"] = srv.greedy() == orig
+        save()
+        return srv, a, b, a_src, b_src, orig, out_b
+    except BaseException:
+        srv.stop()
+        raise
+
+
+@stage("reload")
+def st_reload(rec, root: Path, kinds):
+    for kind in kinds:
+        arch, fmt = kind.split(":")
+        try:
+            srv, *_ = reload_round_trip(rec, root, arch, fmt)
+            srv.stop()
+        except Exception as e:  # noqa: BLE001 - next kind
+            rec.setdefault(kind, {})["error"] = f"{type(e).__name__}: {e}"[:3000]
+            rec[kind]["traceback"] = traceback.format_exc()[-4000:]
+            log(kind, "FAILED", str(e)[:300])
+        save()
+
+
+@stage("refit")
+def st_refit(rec, root: Path):
+    import torch
+    from safetensors.torch import load_file
+
+    from qconvert.convert.pipeline import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.trainer.refit import refit
+
+    arch, fmt = "qwen3-moe", "mxfp8-last1"
+    a_src, b_src = demo(root, arch, 0), demo(root, arch, 1)
+    a, b = convert(a_src, root / f"{arch}-s0-{fmt}", fmt), convert(b_src, root / f"{arch}-s1-{fmt}", fmt)
+    os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
+    srv = Server(a, OUT / "server-refit.log")
+    try:
+        orig = srv.greedy()
+        timed_reload([srv.url], b, weight_version="B-converted")
+        want = srv.greedy()
+        gpu = {}
+        for f in sorted(b_src.glob("*.safetensors")):
+            gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
+        torch.cuda.synchronize()
+        runs = []
+        for i in range(3):
+            t0 = time.perf_counter()
+            res = refit(iter(gpu.items()), reference=b_src, urls=[srv.url], stage_name="policy",
+                        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False,
+                                               device="cuda"),
+                        weight_version=f"B-refit{i}")
+            total = time.perf_counter() - t0
+            assert res.reload[0].ok
+            runs.append({"total_s": round(total, 4), **last_pause(),
+                         "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4)})
+        rec["runs"] = runs
+        rec["equals_converted_reload"] = srv.greedy() == want
+        timed_reload([srv.url], a, weight_version="A-after")
+        rec["restored_exactly"] = srv.greedy() == orig
+    finally:
+        srv.stop()
+
+
+@stage("online")
+def st_online(rec, root: Path):
+    """vLLM's own path: BF16 checkpoint, --quantization mxfp8 (quantized while loading), reload of B's BF16."""
+    from qconvert.client.vllm_client import VllmClient
+
+    arch = "qwen3-moe"
+    a_src, b_src = demo(root, arch, 0), demo(root, arch, 1)
+    srv = Server(a_src, OUT / "server-online.log", extra=["--quantization", "mxfp8"])
+    try:
+        rec["server_start_s"] = round(srv.start_s, 1)
+        orig = srv.greedy()
+        c = VllmClient(srv.url)
+        runs = []
+        for i, ck in enumerate([b_src, a_src, b_src, a_src]):
+            t0 = time.perf_counter()
+            c.pause("wait")
+            c.reload_weights(str(ck))
+            c.resume()
+            runs.append({"checkpoint": ck.name, "pause_to_resume_s": round(time.perf_counter() - t0, 4)})
+            if i == 0:
+                out_b = srv.greedy()
+                rec["outputs_changed"] = out_b != orig
+        rec["runs"] = runs
+        rec["restored_exactly"] = srv.greedy() == orig
+    finally:
+        srv.stop()
+
+
+@stage("synthetic")
+def st_synthetic(rec, root: Path, layers: int):
+    a_src = root / "synth-s0-bf16"
+    b_src = root / "synth-s1-bf16"
+    for d, seed in ((a_src, 0), (b_src, 1)):
+        if not d.exists():
+            subprocess.run([sys.executable, "scripts/make_synthetic.py", str(d), "--layers", str(layers),
+                            "--seed", str(seed)], check=True)
+    t0 = time.perf_counter()
+    a = convert(a_src, root / "synth-s0-mxfp8", "mxfp8-last1", device="cuda")
+    rec["convert_a_cuda_s"] = round(time.perf_counter() - t0, 2)
+    b = convert(b_src, root / "synth-s1-mxfp8", "mxfp8-last1", device="cuda")
+    rec["checkpoint_gb"] = round(sum(f.stat().st_size for f in a.glob("*.safetensors")) / 1e9, 3)
+    os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
+    srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"])
+    try:
+        rec["server_start_s"] = round(srv.start_s, 1)
+        rec["reload_b_shm"] = [timed_reload([srv.url], b, via="shm", weight_version=f"B{i}") for i in range(2)]
+        rec["reload_a_disk"] = [timed_reload([srv.url], a, weight_version=f"A{i}") for i in range(2)]
+    finally:
+        srv.stop()
+
+
+def main():
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/qgpu")
+    ap.add_argument("--stages", default="env,kl,reload,refit,online,synthetic")
+    ap.add_argument("--reload-kinds", default="qwen3-moe:mxfp8-last1,qwen3-moe:nvfp4,qwen3:mxfp8-modelopt")
+    ap.add_argument("--archs", default="qwen3,qwen3-moe")
+    ap.add_argument("--synthetic-layers", type=int, default=4)
+    args = ap.parse_args()
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    root = Path(args.work)
+    root.mkdir(parents=True, exist_ok=True)
+    install_client_shims()
+    stages = args.stages.split(",")
+    RESULT["args"] = vars(args)
+    if "env" in stages:
+        st_env()
+    if "kl" in stages:
+        st_kl(root, args.archs.split(","))
+    if "reload" in stages:
+        st_reload(root, args.reload_kinds.split(","))
+    if "refit" in stages:
+        st_refit(root)
+    if "online" in stages:
+        st_online(root)
+    if "synthetic" in stages:
+        st_synthetic(root, args.synthetic_layers)
+    save()
+    print(json.dumps({k: v.get("ok") for k, v in RESULT["stages"].items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Loading a staging area in a vLLM worker (qconvert/engine/vllm_staged.py, docs/reload.md#vllm-staged-load).
+
+Unit checks (no server): every tensor the worker hands to vLLM is a view of the one mapping of its
+file (zero copy) and equals what the safetensors library reads from the source checkpoint; a
+version 2 area is read from its committed slot under that slot's shared lock (a writer cannot take
+it meanwhile), with digests checked only when asked; a pre-shuffled checkpoint staged with TP 2
+gives each server rank only its own expert files (docs/reload.md#per-rank-files).
+A real vLLM CPU server (marked vllm): ``qconvert_load_staged`` changes the outputs and reloading
+back restores them exactly, with the load statistics in the reload result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from qconvert.client import staging
+from qconvert.engine import vllm_staged
+from qconvert.formats import staging as fmt
+
+
+@pytest.fixture()
+def shm_root(tmp_path, monkeypatch):
+    root = tmp_path / "shm"
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(root))
+    return root
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _source_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The oracle: the safetensors library's own reader over the source checkpoint."""
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as g:
+            for k in g.keys():
+                out[k] = g.get_tensor(k)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mxfp8_moe(tmp_path_factory):
+    """The demo Qwen3-MoE converted to MXFP8 (F8_E4M3, F8_E8M0/U8 scales and BF16 tensors)."""
+    from qconvert.convert.demo import build_demo_model
+    from qconvert.convert.pipeline import ConvertOptions, convert
+    from qconvert.convert.plan import PlanOptions
+
+    root = tmp_path_factory.mktemp("staged")
+    src = build_demo_model(root / "bf16", arch="qwen3-moe", seed=0)
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8", last_n_bf16=1), fsync=False,
+                          progress=False)
+    return convert(str(src), root / "mxfp8", "mxfp8", opts) and root / "mxfp8"
+
+
+def _load(area: Path, **kw) -> tuple[dict, dict[str, torch.Tensor], list]:
+    """load_staged with a reload_weights that records what vLLM would get (copies, as vLLM's loaders do)."""
+    got, ptrs = {}, []
+
+    def reload_weights(weights):
+        for name, t in weights:
+            ptrs.append((name, t.data_ptr(), t.nbytes))
+            got[name] = t.clone()
+
+    stats = vllm_staged.load_staged(torch.nn.Module(), area, reload_weights, **kw)
+    return stats, got, ptrs
+
+
+def test_v1_views_are_the_mapping_and_equal_safetensors(mxfp8_moe, shm_root, monkeypatch):
+    area = staging.stage_checkpoint(mxfp8_moe, "v1")
+    want = _source_tensors(mxfp8_moe)
+    # every tensor handed over lies inside its file's single mapping: no per-tensor copy
+    spans = {}
+    real_map = vllm_staged.map_file
+
+    def spy(directory, spec):
+        m = real_map(directory, spec)
+        spans[spec.name] = (m.base.data_ptr(), m.base.data_ptr() + spec.size)
+        return m
+
+    monkeypatch.setattr(vllm_staged, "map_file", spy)
+    stats, got, ptrs = _load(area.path)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(_bytes(got[name]), _bytes(t)), name
+    view = fmt.read_area(area.path)
+    file_of = {n: f.name for f in view.files for n in f.tensors}
+    for name, ptr, nbytes in ptrs:
+        lo, hi = spans[file_of[name]]
+        assert nbytes == 0 or lo <= ptr and ptr + nbytes <= hi, name
+    assert stats["files"] == len(view.files) and stats["bytes"] == view.nbytes
+    assert stats["tensors"] == len(want) and stats["format"] == fmt.FORMAT_V1
+    assert stats["mappings_released"] is True
+
+
+def _v2_from_v1(v1: Path, root: Path) -> Path:
+    """A committed version 2 area (slot 1) with v1's files, built with the contract module."""
+    import xxhash
+
+    view = fmt.read_area(v1)
+    root.mkdir(mode=0o700)
+    files, digests = [], {}
+    for i, f in enumerate(view.files):
+        new = fmt.FileSpec(fmt.file_name(i, 0), f.size, None, f.tensors)
+        files.append(new)
+        digests[new.name] = xxhash.xxh3_128((v1 / f.name).read_bytes()).hexdigest()
+        for k in fmt.SLOTS:
+            fmt.slot_dir(root, k).mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(v1 / f.name, fmt.slot_dir(root, k) / new.name)
+    shutil.copyfile(v1 / "config.json", root / "config.json")
+    spec = fmt.AreaSpec(view.contract, fmt.DIGEST_XXH3, 1, 1, tuple(files), ("config.json",))
+    fmt.write_json_atomic(root / fmt.AREA_JSON, spec.to_json())
+    fmt.write_json_atomic(root / fmt.COMMIT_JSON, fmt.Commit(1, 7, digests, time.time()).to_json())
+    return root
+
+
+def test_v2_committed_slot_locked_and_verified_on_request(mxfp8_moe, shm_root, tmp_path):
+    v1 = staging.stage_checkpoint(mxfp8_moe, "v1").path
+    v2 = _v2_from_v1(v1, tmp_path / "v2")
+    want = _source_tensors(mxfp8_moe)
+    seen_lock = {}
+
+    def reload_weights(weights):
+        got = {n: t.clone() for n, t in weights}
+        # while the worker reads slot 1 a writer cannot take it; the other slot is free
+        with pytest.raises(fmt.StagingError, match="slot 1"):
+            fmt.SlotLock(v2, 1, shared=False, wait_s=0.05)
+        fmt.SlotLock(v2, 0, shared=False, wait_s=0.05).release()
+        seen_lock["ok"] = True
+        assert all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in want.items())
+
+    stats = vllm_staged.load_staged(torch.nn.Module(), v2, reload_weights, verify=True)
+    assert seen_lock["ok"] and stats["version"] == 7 and stats["slot"] == 1 and stats["verified"]
+    fmt.SlotLock(v2, 1, shared=False, wait_s=0.05).release()  # released after the load
+    # a flipped byte in the committed slot: found with verify=True, nothing handed to vLLM
+    victim = fmt.slot_dir(v2, 1) / fmt.file_name(1, 0)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    called = []
+    with pytest.raises(vllm_staged.StagedLoadError, match=f"{victim.name} does not match its xxh3_128"):
+        vllm_staged.load_staged(torch.nn.Module(), v2, lambda w: called.append(1), verify=True)
+    assert not called
+    # by default the digests are not recomputed (the writer made them from the same bytes)
+    stats = vllm_staged.load_staged(torch.nn.Module(), v2, lambda w: [None for _ in w])
+    assert stats["verified"] is False
+
+
+def test_truncated_file_refused_before_loading(mxfp8_moe, shm_root):
+    area = staging.stage_checkpoint(mxfp8_moe, "t").path
+    f = sorted(area.glob("g*.safetensors"))[1]
+    os.truncate(f, f.stat().st_size - 256)
+    with pytest.raises(vllm_staged.StagedLoadError, match=f"{f.name}: .* bytes, the staging area says"):
+        vllm_staged.load_staged(torch.nn.Module(), area, lambda w: pytest.fail("loaded"))
+
+
+@pytest.fixture(scope="module")
+def preshuffled_tp2(tmp_path_factory):
+    """The demo Qwen3-MoE pre-shuffled for vLLM with TP 2 (BF16 experts, per-rank tensors)."""
+    from click.testing import CliRunner
+
+    from qconvert.cli import main
+    from qconvert.convert.demo import build_demo_model
+
+    root = tmp_path_factory.mktemp("tp2")
+    src = build_demo_model(root / "bf16", arch="qwen3-moe", seed=0)
+    res = CliRunner().invoke(main, ["bf16", str(src), str(root / "lay"), "--no-progress", "--layout",
+                                    "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--ep", "1"])
+    assert res.exit_code == 0, res.output
+    return root / "lay"
+
+
+def test_each_rank_reads_only_its_files(preshuffled_tp2, shm_root):
+    area = staging.stage_checkpoint(preshuffled_tp2, "tp2").path
+    view = fmt.read_area(area)
+    assert (view.tp, view.ep) == (2, 1)
+    every = _source_tensors(preshuffled_tp2)
+    seen: dict[str, int] = {}
+    for r in range(2):
+        files = vllm_staged.select_files(view, 2, r, 1, 0)
+        names = {n for f in files for n in f.tensors}
+        for n in names:
+            seen[n] = seen.get(n, 0) + 1
+        own = {n for n in names if ".trtllm_" in n}
+        assert own and all(f".trtllm_tp{r}_ep0." in n for n in own)
+        assert {f.rank for f in files} == {None, (r, 0)}
+        # the rank's files hold exactly the tensors a reader of the whole checkpoint would give it
+        want = {n for n in every if ".trtllm_" not in n or f".trtllm_tp{r}_ep0." in n}
+        assert names == want
+        maps = [vllm_staged.map_file(view.directory, f) for f in files]
+        for m in maps:
+            for n in m.spec.tensors:
+                assert torch.equal(_bytes(m.tensor(n)), _bytes(every[n])), n
+        for m in maps:
+            assert m.close()
+    assert set(seen) == set(every)
+    assert {n for n, k in seen.items() if k == 2} == {n for n in every if ".trtllm_" not in n}
+    # a server whose MoE sizes differ from the staged ranks is refused, naming both
+    with pytest.raises(vllm_staged.StagedLoadError, match="tp=2 ep=1.*tp=1 ep=2"):
+        vllm_staged.select_files(view, 1, 0, 2, 1)
+    # a plain area is read whole by every rank, whatever the server's sizes
+    plain = fmt.read_area(staging.stage_checkpoint(preshuffled_tp2.parent / "bf16", "plain").path)
+    assert vllm_staged.select_files(plain, 4, 3, 1, 0) == list(plain.files)
+    # the manifest records the rank of each file
+    man = json.loads((area / fmt.MANIFEST_V1).read_text())
+    assert {tuple(f["rank"]) if f.get("rank") else None for n, f in man["files"].items()
+            if n.endswith(".safetensors")} == {None, (0, 0), (1, 0)}
+
+
+def _fake_vllm(extension: bool, calls: list):
+    """tests/test_reload_clients.py's fake vLLM server; qconvert_* methods answer as vLLM 0.32 does
+    with (a stats dict per worker) or without the worker extension ("is not implemented")."""
+    from test_reload_clients import FakeServer, vllm_routes
+
+    routes = vllm_routes({})
+    orig = routes[("POST", "/collective_rpc")]
+
+    def rpc(body, q, h):
+        calls.append(body["method"])
+        if body["method"].startswith("qconvert_"):
+            if not extension:
+                return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
+                                                    f"'Method {body['method']!r} is not implemented.'"}}
+            if body["method"] == "qconvert_ping":
+                return 200, {"results": ["qconvert-test"]}
+            return 200, {"results": [{"files": 3, "area": body["kwargs"].get("area"),
+                                      "verify": body["kwargs"].get("verify")}]}
+        return orig(body, q, h)
+
+    routes[("POST", "/collective_rpc")] = rpc
+    return FakeServer(routes)
+
+
+@pytest.mark.parametrize("extension", [True, False], ids=["extension", "stock"])
+def test_client_picks_staged_rpc_or_stock_reload(demo_dense, shm_root, extension):
+    """With the extension: one qconvert_load_staged with the area, its statistics in the result, no
+    stock reload. Without: one ping answered "not implemented" (never asked again), then stock
+    reload_weights of the committed directory."""
+    from qconvert.client.vllm_client import reload_vllm
+
+    area = staging.stage_checkpoint(demo_dense, "d").path
+    calls: list = []
+    srv = _fake_vllm(extension, calls)
+    try:
+        res = reload_vllm([srv.url], "shm:d", retries=0, weight_version="v")
+    finally:
+        srv.close()
+    assert calls.count("qconvert_ping") <= 1
+    if extension:
+        assert calls == ["qconvert_ping", "qconvert_load_staged"]
+        assert res[0].load == [{"files": 3, "area": str(area), "verify": False}]
+    else:
+        assert calls == ["qconvert_ping", "reload_weights"]
+        assert res[0].load == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
+    """A real vLLM CPU server (Qwen3-MoE MXFP8, qconvert's worker extension): B from a version 1
+    area computes what vLLM's own disk loader gives for B; A from a version 2 area restores the
+    original outputs exactly; each reload reports what the worker mapped."""
+    pytest.importorskip("vllm")
+    from test_reload_vllm import Server, _make_pair
+
+    from qconvert.client.vllm_client import reload_vllm
+
+    monkeypatch.setenv("QCONVERT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    a, b, _ = _make_pair(tmp_path, "qwen3-moe:mxfp8")
+    area_b = staging.stage_checkpoint(b, "b")
+    area_a = _v2_from_v1(staging.stage_checkpoint(a, "a1").path, tmp_path / "shm" / "a2")
+    srv = Server(a, tmp_path / "server.log")
+    try:
+        original = srv.greedy()
+        res = reload_vllm([srv.url], "shm:b", weight_version="B-staged")
+        (stats,) = res[0].load  # one worker
+        assert stats["format"] == fmt.FORMAT_V1 and stats["bytes"] == area_b.nbytes - sum(
+            f["size"] for n, f in area_b.manifest["files"].items() if not n.endswith(".safetensors"))
+        assert stats["files"] == stats["files_in_area"] and stats["mappings_released"] is True
+        staged_b = srv.greedy()
+        assert staged_b != original
+        reload_vllm([srv.url], b, weight_version="B-disk")  # vLLM's own loader: the oracle
+        assert srv.greedy() == staged_b
+        res = reload_vllm([srv.url], str(area_a), weight_version="A-staged", verify=True)
+        assert res[0].load[0]["format"] == fmt.FORMAT_V2 and res[0].load[0]["verified"] is True
+        assert srv.greedy() == original
+    finally:
+        srv.stop()
