@@ -271,11 +271,12 @@ def launch_commands(repo: str, scheme: str, dialect: str, moe: bool, revision: s
 
 
 def _manifest(dst: Path) -> dict:
+    from .convert.checkpoint import read_manifest
+
     try:
-        man = json.loads((dst / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_manifest(dst) or {}
+    except QConvertError:  # corrupt, a link out of DST, a FIFO: the card says what it can without it
         return {}
-    return man if isinstance(man, dict) else {}
 
 
 def _md(v, limit: int = 200) -> str:
@@ -381,6 +382,10 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
     L.append(f"| on-disk dialect | `{dialect}`: {DIALECT_TEXT.get((scheme, dialect), dialect)} |")
     if man.get("recipe"):
         L.append(f"| recipe | `{_md(man['recipe'])}` |")
+    from .convert.fp8_source import summarize
+    src_line = summarize((man.get("source") or {}).get("quantized") if isinstance(man.get("source"), dict) else None)
+    if src_line:
+        L.append(f"| source | {_md(src_line)} |")
     if man.get("scale_rule"):
         L.append(f"| scale rule | {_md(man['scale_rule'])} |")
     for k in ("zero_block_policy", "global_scale_rule", "nvfp4_formula"):

@@ -37,7 +37,9 @@ def read_checkpoint(path: str | Path) -> CheckpointDir:
     (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
     raises; index inconsistencies are collected in ``problems`` so ``verify`` can report them all.
     """
-    return open_checkpoint(path, strict=False)
+    ck = open_checkpoint(path, strict=False)
+    ck.hf_quant_config, ck.manifest  # noqa: B018 -- both are read now: a corrupt one is an error of inspect
+    return ck
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -64,6 +66,9 @@ class InspectReport:
     #: the quantization recipe qconvert.json records ("rceil"; NVFP4 "te" or "modelopt"); None when
     #: the checkpoint has no qconvert manifest (the bytes alone cannot tell the recipe)
     recipe: str | None = None
+    #: what the quantized source was, from qconvert.json (FP8 block-scaled: which tensors were
+    #: lossless, docs/formats.md#fp8-block-sources); None for BF16 sources
+    source: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -101,9 +106,9 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     archs = ck.config.get("architectures") or ["<none>"]
     moe = any(".experts." in n for n in mods) or any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     findings = [f for f in det.findings if not f.conflict] + [f for f in det.findings if f.conflict]
+    notes = [f.text() for f in findings] + (fused_note(ck) if det.scheme == "bf16" and not layouts else [])
     if any(m.stacked for m in mods.values()) and not layouts:
-        findings.append(finding(Code.STACKED_WITHOUT_LAYOUT))
-    notes = [f.text() for f in findings]
+        notes.append(finding(Code.STACKED_WITHOUT_LAYOUT).text())
     # totals
     by_fmt: dict[str, int] = {}
     params = 0
@@ -149,7 +154,34 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
                          layouts, sorted(mods.values(), key=lambda m: _natural(m.name)), totals,
                          det.exclusion_keys, engines, notes, ck.problems,
                          nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
-                         _manifest.recipe(ck.manifest))
+                         _manifest.recipe(ck.manifest), _quantized_source(ck.manifest, det))
+
+
+def _quantized_source(manifest: dict | None, det) -> str | None:
+    from .convert.fp8_source import summarize
+
+    if not manifest or det.producer != "qconvert" or not isinstance(manifest.get("source"), dict):
+        return None
+    return summarize(manifest["source"].get("quantized"))
+
+
+def fused_note(ck) -> list[str]:
+    """What qconvert does with a BF16 source's fused expert tensors (docs/formats.md#fused-expert-tensors):
+    a note naming their orientation, or the one-line reason it refuses them."""
+    from .convert import fused
+    from .errors import QConvertError
+    try:
+        _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
+    except QConvertError as e:
+        return [f"fused expert tensors: qconvert refuses them: {e}"]
+    if not views:
+        return []
+    n = len({v.source for v in views.values()})
+    orient = {v.orientation for v in views.values()}.pop()
+    form = "[E, out, in] (transformers 5)" if orient == fused.OUT_IN else "[E, in, out] (transposed)"
+    return [f"fused expert tensors: {n} (…experts.gate_up_proj / down_proj, {form}); qconvert "
+            "writes them as per-expert experts.{e}.gate_proj/up_proj/down_proj"]
+
 
 
 def fmt_bytes(n: float) -> str:
@@ -179,6 +211,8 @@ def format_report(r: InspectReport, limit: int | None = None) -> str:
     if r.scheme in ("mxfp8", "nvfp4"):
         lines.append(f"recipe     : {r.recipe}" if r.recipe else
                      "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)")
+    if r.source:
+        lines.append(f"source     : {r.source}")
     lines.append(f"model      : {r.architecture}" + (" (MoE)" if r.moe else ""))
     for lay in r.layouts:
         lines.append(f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "

@@ -1,8 +1,9 @@
-"""Trainer-side refit API: ``qconvert.refit.refit(...)`` and ``stage_refit(...)``.
+"""Trainer-side refit API: ``qconvert.refit.Refitter`` (persistent staging area, stage/commit/reload),
+and the one-call ``refit(...)`` / ``stage_refit(...)``.
 
 The implementation lives in :mod:`qconvert.trainer.refit`; this module is the public name.
 """
 
-from .trainer.refit import RefitResult, refit, stage_refit
+from .trainer.refit import RefitError, Refitter, RefitResult, Staged, refit, stage_refit
 
-__all__ = ["refit", "stage_refit", "RefitResult"]
+__all__ = ["Refitter", "refit", "stage_refit", "RefitResult", "RefitError", "Staged"]

@@ -45,6 +45,7 @@ from .formats.manifest import MANIFEST_NAME, find_layouts, layout_section
 from .formats.schemes import (ALL_RECIPES, BLOCK, BLOCK_BOUND, DEFAULT_MAX_REL_ERR, DEFAULT_NVFP4_RECIPE, MXFP8_RECIPE,
                                NVFP4_RECIPES)
 from .inspect import read_checkpoint
+from .convert import fused
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
 
@@ -66,6 +67,8 @@ class TensorResult:
     block_err: float  # worst max|err| / (bound * amax + atol) over blocks; > 1 fails
     exact: bool | None = None  # bytes equal a fresh quantization (None: not checked)
     ok: bool = True
+    #: FP8 block-scaled source only: DST decodes to exactly the source's values (None: other sources)
+    lossless: bool | None = None
 
 
 @dataclass
@@ -293,6 +296,7 @@ class _Verifier:
         self.src_arg, self.dst_arg = src, dst
         self.user_max = max_rel_err
         self._kept_bad = 0
+        self.fp8 = None  # an FP8 block-scaled SRC (convert.fp8_source.Fp8BlockSource), set by run
         self.progress = progress
         self.log = log
 
@@ -310,6 +314,12 @@ class _Verifier:
         r = self.r
         self.dst = dst = read_checkpoint(self.dst_arg)
         self.src = load_checkpoint(self.src_arg)
+        # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
+        self._src_entries, self._src_views = fused.source_entries(self.src.tensors, self.src.config,
+                                                                  self.src.root / "config.json")
+        from .convert import fp8_source  # an FP8 block-scaled SRC is compared through its decode
+        self.fp8 = fp8_source.detect(self.src.config, {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()},
+                                     self.src.root / "config.json")
         for p in dst.problems:
             self.fail("index", p)
         self.ok("index")
@@ -362,13 +372,16 @@ class _Verifier:
 
     def _match_names(self) -> dict[str, tuple[str, list[str]]]:
         """dst module -> (kind 'kept'|'quantized', source tensor names); checks names/dtypes/shapes."""
-        src_t = self.src.tensors
+        src_t = self._src_entries
         dst_t = self.dst.tensors
         used: set[str] = set()
         plan: dict[str, tuple[str, list[str]]] = {}
         layouts = find_layouts(self.dst.manifest)
         stacked = {m for m, mod in self.mods.items() if mod.stacked}
+        fp8_scales = set(self.fp8.scales.values()) if self.fp8 else set()
         for name, se in src_t.items():
+            if name in fp8_scales:
+                continue  # an FP8 source's block scales: decoded with their weights, not written
             mod, sfx = split_name(name)
             m = self.mods.get(mod)
             if sfx == "weight" and m is not None and m.format in ("mxfp8", "nvfp4"):
@@ -402,8 +415,9 @@ class _Verifier:
             if name in dst_t:
                 used.add(name)
                 de = dst_t[name]
-                if de.dtype != se.dtype or tuple(de.shape) != tuple(se.shape):
-                    self.fail("structure", f"tensor {name!r}: {de.dtype} {list(de.shape)} in DST but {se.dtype} "
+                sdt = "BF16" if self.fp8 and name in self.fp8.scales else se.dtype  # kept: its BF16 decode
+                if de.dtype != sdt or tuple(de.shape) != tuple(se.shape):
+                    self.fail("structure", f"tensor {name!r}: {de.dtype} {list(de.shape)} in DST but {sdt} "
                                            f"{list(se.shape)} in the source; re-run the conversion")
                     continue
                 plan.setdefault(f"kept:{name}", ("kept", [name]))
@@ -481,7 +495,7 @@ class _Verifier:
             self.fail("structure", f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
                                    f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC")
             return
-        xs = {n: self._src_readers[self._src_shard[n]].read(n) for n in src_names}
+        xs = {n: self._read_src(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
         i_size, h_size = members[0].shape
         nv_recipe = recipe if recipe in NVFP4_RECIPES else DEFAULT_NVFP4_RECIPE
@@ -715,6 +729,9 @@ class _Verifier:
         # both sides mapped (one mapping per tensor, released with it): no copy of either into buffers
         src_readers = {h.path.name: ShardReader(h, hash_file=False, mapped=True) for h in self.src.shards}
         src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
+        src_shard.update({n: src_shard[v.source] for n, v in self._src_views.items()})
+        from .convert.fp8_source import decoding_readers
+        src_readers = decoding_readers(src_readers, src_shard, self.fp8)
         by_tensor: dict[str, str] = {}
         for key, (kind, srcs) in plan.items():
             if kind == "kept":
@@ -754,7 +771,9 @@ class _Verifier:
                             continue
                         kind, srcs = plan[key]
                         if kind == "kept":
-                            s = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            s = self._read_src(srcs[0])
+                            if self.fp8 and srcs[0] in self.fp8.scales:
+                                s = s.to(torch.bfloat16)  # an FP8 weight kept: the BF16 of its decode
                             r.kept_bytes += e.nbytes
                             if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
                                 r.kept_identical += 1
@@ -774,7 +793,7 @@ class _Verifier:
                         got[split_name(e.name)[1]] = t
                         if len(got) == len(_quantized_suffixes(self.mods[key])):
                             del pending[key]
-                            x = src_readers[src_shard[srcs[0]]].read(srcs[0])
+                            x = self._read_src(srcs[0])
                             self._check_quantized(self.mods[key], got, x, recipe)
                     out_sha[h.path.name] = rd.sha256()
             src_digests = {name: fut.result() for name, fut in src_sha.items()}
@@ -789,6 +808,10 @@ class _Verifier:
                 rd.close()
         self.ok("kept", f"ok ({r.kept_identical} byte-identical)")
         self.ok("values", f"ok ({len(r.tensors)} quantized tensors)")
+        if self.fp8:
+            ll = [t for t in r.tensors if t.lossless is not None]
+            self.ok("lossless", f"ok ({sum(t.lossless for t in ll)} of {len(ll)} tensors from FP8 weights decode "
+                                "exactly to the source's values; the others were requantized)")
         self._check_hashes(out_sha, src_digests)
 
     def _check_quantized(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str | None):
@@ -815,6 +838,10 @@ class _Verifier:
         if fmt == "mxfp8" and recipe == MXFP8_RECIPE:
             from .convert.numerics.mxfp8 import mxfp8_quantize
             q_ref, s_ref = mxfp8_quantize(x)
+            if self.fp8:  # the power-of-two blocks of an FP8 source keep their bytes
+                from .convert.fp8_source import mxfp8_reference
+                w = f"{m.name}.weight"
+                mxfp8_reference(self.fp8, w, self._src_readers[self._src_shard[w]], q_ref, s_ref)
             sc = ts[m.scale_suffix].view(torch.uint8)
             bad_s = (sc != s_ref).nonzero()
             bad_q = (ts["weight"].view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
@@ -831,7 +858,20 @@ class _Verifier:
                                         f"({len(bad_q)} elements differ); re-run the conversion")
         if fmt == "nvfp4" and recipe in NVFP4_RECIPES:
             self._check_nvfp4_exact(m, ts, x, recipe, res)
+        if self.fp8 and f"{m.name}.weight" in self.fp8.scales:
+            try:
+                deq, _ = _dequantize(fmt, self.det.dialect, ts, m)
+                res.lossless = bool(torch.equal(deq.float(), x.float()))
+            except Exception:  # malformed tensors: reported above
+                res.lossless = False
         self.r.tensors.append(res)
+
+    def _read_src(self, name: str) -> torch.Tensor:
+        """SRC's tensor ``name`` (mapped), or one expert's matrix of a fused SRC tensor."""
+        v = self._src_views.get(name)
+        if v is None:
+            return self._src_readers[self._src_shard[name]].read(name)
+        return fused.view(self._src_readers[self._src_shard[v.source]].read(v.source), v)
 
     def _source_amax(self, mod: str) -> np.float32:
         """max |w| of the source weight of ``mod``, exactly (fp32; NaN propagates)."""
@@ -839,7 +879,7 @@ class _Verifier:
 
         if mod not in self._amax:
             name = f"{mod}.weight"
-            t = self._src_readers[self._src_shard[name]].read(name)
+            t = self._read_src(name)
             if cpu_kernels.usable(t):
                 self._amax[mod] = cpu_kernels.abs_max_f32(t, CPU_WORKERS)
             else:
@@ -964,14 +1004,15 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
     directory (bit-exact, see convert/unshuffle.py) and verify that plain checkpoint. None when
     ``dst`` has no qconvert layout or the inverse is not available for it (then the structural
     checks report the layout tensors as not decodable)."""
-    import json as _json
     import tempfile
 
+    from .convert.checkpoint import read_manifest
+
     try:
-        man = _json.loads((Path(dst) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+        layout = layout_section(read_manifest(dst))
+    except QConvertError:  # an unreadable manifest: the structural checks report it
         return None
-    if layout_section(man) is None:
+    if layout is None:
         return None
     from .convert.unshuffle import unshuffle_checkpoint
     from .errors import QConvertError as _QE
@@ -982,12 +1023,12 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
             unshuffle_checkpoint(dst, plain)
         except _QE as e:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
-            (log or (lambda s: None))(f"layout {man['layout'].get('name')} for {man['layout'].get('engine')} is not "
+            (log or (lambda s: None))(f"layout {layout.get('name')} for {layout.get('engine')} is not "
                                       "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
-    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {man['layout'].get('name')}, then verified)"
+    rep.checks["layout"] = f"ok (unshuffled bit-exactly from {layout.get('name')}, then verified)"
     return rep
 
 

@@ -132,6 +132,7 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
                "--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.35",
+               "--kv-cache-memory-bytes", str(1 << 30),
                *EXTENSION_FLAG.split(), *(extra or [])]
         self.log = logf
         self._f = open(logf, "wb")
@@ -261,26 +262,28 @@ def st_env(rec):
     rec["cuda"] = torch.version.cuda
     rec["gpu"] = torch.cuda.get_device_name(0)
     rec["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    import vllm
+    from importlib.metadata import version
 
-    rec["vllm"] = vllm.__version__
-    rec["vllm_file"] = vllm.__file__
-    from vllm.platforms import current_platform
-
-    rec["platform"] = type(current_platform).__name__
+    rec["vllm"] = version("vllm")
     rec["shm"] = shutil.disk_usage("/dev/shm")._asdict()
 
 
 @stage("kl")
-def st_kl(rec, root: Path, archs):
+def st_kl(rec, root: Path, archs, formats=FORMATS, reload_fmt: str | None = None):
     from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
 
     for arch in archs:
         src = demo(root, arch, 0)
-        dsts = {f: convert(src, root / f"{arch}-s0-{f}", f) for f in FORMATS}
+        dsts = {f: convert(src, root / f"{arch}-s0-{f}", f) for f in formats}
+        jobs = [src, *dsts.values()]
+        if reload_fmt in dsts:  # in the same worker: reload_weights to B, then back to A
+            b = convert(demo(root, arch, 1), root / f"{arch}-s1-{reload_fmt}", reload_fmt)
+            i = 1 + list(dsts).index(reload_fmt)
+            jobs[i] = {"model": str(jobs[i]), "reload": [str(b), str(jobs[i])]}
         t0 = time.perf_counter()
-        res = run_in_vllm([src, *dsts.values()], PROMPTS, max_tokens=16, score_with_first=True,
-                          llm_kwargs={"gpu_memory_utilization": 0.12}, env={"VLLM_LOGGING_LEVEL": "INFO"},
+        res = run_in_vllm(jobs, PROMPTS, max_tokens=16, score_with_first=True,
+                          llm_kwargs={"gpu_memory_utilization": 0.12,
+                                      "kv_cache_memory_bytes": 1 << 29}, env={"VLLM_LOGGING_LEVEL": "INFO"},
                           timeout=900)
         rec[f"{arch}_wall_s"] = round(time.perf_counter() - t0, 1)
         base = res["jobs"][0]["stages"][0]
@@ -291,6 +294,11 @@ def st_kl(rec, root: Path, archs):
             rec[f"{arch}:{f}"] = {k: m[k] for k in ("top1_agreement", "mean_kl", "max_kl", "max_abs_logprob_diff",
                                                     "positions", "nonfinite_positions")} | {"generation_agreement": gen}
             log(arch, f, rec[f"{arch}:{f}"])
+            if len(job["stages"]) == 3:  # reloaded B, then A again
+                rb, ra = job["stages"][1], job["stages"][2]
+                rec[f"{arch}:{f}:reload"] = {"outputs_changed": rb["tokens"] != st["tokens"],
+                                             "restored_tokens": ra["tokens"] == st["tokens"],
+                                             "restored_logprobs_exactly": ra["score"] == st["score"]}
         rec[f"{arch}_stderr_tail"] = res.get("stderr_tail", "")[-1500:]
         save()
 
@@ -357,12 +365,16 @@ def reload_round_trip(rec, root: Path, arch: str, fmt: str, repeats: int = 3):
 
 
 @stage("reload")
-def st_reload(rec, root: Path, kinds):
+def st_reload(rec, root: Path, kinds, with_refit: bool = False):
     for kind in kinds:
         arch, fmt = kind.split(":")
         try:
-            srv, *_ = reload_round_trip(rec, root, arch, fmt)
-            srv.stop()
+            srv, a, b, a_src, b_src, orig, _ = reload_round_trip(rec, root, arch, fmt)
+            try:
+                if with_refit and kind == "qwen3-moe:mxfp8-last1":  # the refit on the same server
+                    refit_on(rec.setdefault("refit", {}), srv, a, b, b_src, orig)
+            finally:
+                srv.stop()
         except Exception as e:  # noqa: BLE001 - next kind
             rec.setdefault(kind, {})["error"] = f"{type(e).__name__}: {e}"[:3000]
             rec[kind]["traceback"] = traceback.format_exc()[-4000:]
@@ -372,6 +384,19 @@ def st_reload(rec, root: Path, kinds):
 
 @stage("refit")
 def st_refit(rec, root: Path):
+    arch, fmt = "qwen3-moe", "mxfp8-last1"
+    a_src, b_src = demo(root, arch, 0), demo(root, arch, 1)
+    a, b = convert(a_src, root / f"{arch}-s0-{fmt}", fmt), convert(b_src, root / f"{arch}-s1-{fmt}", fmt)
+    os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
+    srv = Server(a, OUT / "server-refit.log")
+    try:
+        refit_on(rec, srv, a, b, b_src, srv.greedy())
+    finally:
+        srv.stop()
+
+
+def refit_on(rec, srv: "Server", a: Path, b: Path, b_src: Path, orig: list[str]):
+    """qconvert.refit of B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1 BF16)."""
     import torch
     from safetensors.torch import load_file
 
@@ -379,36 +404,27 @@ def st_refit(rec, root: Path):
     from qconvert.convert.plan import PlanOptions
     from qconvert.trainer.refit import refit
 
-    arch, fmt = "qwen3-moe", "mxfp8-last1"
-    a_src, b_src = demo(root, arch, 0), demo(root, arch, 1)
-    a, b = convert(a_src, root / f"{arch}-s0-{fmt}", fmt), convert(b_src, root / f"{arch}-s1-{fmt}", fmt)
-    os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
-    srv = Server(a, OUT / "server-refit.log")
-    try:
-        orig = srv.greedy()
-        timed_reload([srv.url], b, weight_version="B-converted")
-        want = srv.greedy()
-        gpu = {}
-        for f in sorted(b_src.glob("*.safetensors")):
-            gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
-        torch.cuda.synchronize()
-        runs = []
-        for i in range(3):
-            t0 = time.perf_counter()
-            res = refit(iter(gpu.items()), reference=b_src, urls=[srv.url], stage_name="policy",
-                        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False,
-                                               device="cuda"),
-                        weight_version=f"B-refit{i}")
-            total = time.perf_counter() - t0
-            assert res.reload[0].ok
-            runs.append({"total_s": round(total, 4), **last_pause(),
-                         "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4)})
-        rec["runs"] = runs
-        rec["equals_converted_reload"] = srv.greedy() == want
-        timed_reload([srv.url], a, weight_version="A-after")
-        rec["restored_exactly"] = srv.greedy() == orig
-    finally:
-        srv.stop()
+    timed_reload([srv.url], b, weight_version="B-converted")
+    want = srv.greedy()
+    gpu = {}
+    for f in sorted(b_src.glob("*.safetensors")):
+        gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
+    torch.cuda.synchronize()
+    runs = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        res = refit(iter(gpu.items()), reference=b_src, urls=[srv.url], stage_name="policy",
+                    options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False,
+                                           device="cuda"),
+                    weight_version=f"B-refit{i}")
+        total = time.perf_counter() - t0
+        assert res.reload[0].ok
+        runs.append({"total_s": round(total, 4), **last_pause(),
+                     "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4)})
+    rec["runs"] = runs
+    rec["equals_converted_reload"] = srv.greedy() == want
+    timed_reload([srv.url], a, weight_version="A-after")
+    rec["restored_exactly"] = srv.greedy() == orig
 
 
 @stage("online")
@@ -470,6 +486,9 @@ def main():
     ap.add_argument("--stages", default="env,kl,reload,refit,online,synthetic")
     ap.add_argument("--reload-kinds", default="qwen3-moe:mxfp8-last1,qwen3-moe:nvfp4,qwen3:mxfp8-modelopt")
     ap.add_argument("--archs", default="qwen3,qwen3-moe")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--kl-reload", default=None, help="a format whose vllm.LLM also reloads B and A again")
+    ap.add_argument("--prepare", action="store_true", help="only build and convert the checkpoints (no GPU)")
     ap.add_argument("--synthetic-layers", type=int, default=4)
     args = ap.parse_args()
     OUT = Path(args.out)
@@ -479,12 +498,20 @@ def main():
     install_client_shims()
     stages = args.stages.split(",")
     RESULT["args"] = vars(args)
+    if args.prepare:  # the checkpoints the other stages read, made ahead (CPU)
+        for arch in args.archs.split(","):
+            for seed in (0, 1):
+                src = demo(root, arch, seed)
+                for f in args.formats.split(","):
+                    if seed == 0 or f == args.kl_reload:
+                        convert(src, root / f"{arch}-s{seed}-{f}", f)
+        return
     if "env" in stages:
         st_env()
     if "kl" in stages:
-        st_kl(root, args.archs.split(","))
+        st_kl(root, args.archs.split(","), args.formats.split(","), args.kl_reload)
     if "reload" in stages:
-        st_reload(root, args.reload_kinds.split(","))
+        st_reload(root, args.reload_kinds.split(","), with_refit="refit-in-reload" in stages)
     if "refit" in stages:
         st_refit(root)
     if "online" in stages:

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from qconvert.convert import checkpoint as C
-from qconvert.errors import CheckpointError
+from qconvert.errors import CheckpointError, QConvertError
+from qconvert.inspect import read_checkpoint
 
 
 def _shard(p: Path, names: list[str]):
@@ -170,8 +171,10 @@ def test_fifos_are_refused_without_blocking(tmp_path, strict, victim):
     if os.path.exists(root / victim):
         (root / victim).unlink()
     os.mkfifo(root / victim)
-    if victim == C.MANIFEST_NAME and strict:  # convert does not read a source's manifest
-        assert C.open_checkpoint(root, strict=True).problems == []
+    if victim == C.MANIFEST_NAME:  # read on first use only (convert never reads a source's manifest)
+        ck = C.open_checkpoint(root, strict=strict)
+        with pytest.raises(CheckpointError, match="is a FIFO"):
+            ck.manifest
         return
     refused(root, strict, str(root / victim), "is a FIFO")
 
@@ -182,10 +185,12 @@ def test_manifest_missing_corrupt_and_layout(tmp_path):
     (root / C.MANIFEST_NAME).write_text("{oops")
     with pytest.raises(CheckpointError, match="qconvert.json: not valid JSON"):
         C.read_manifest(root)
-    refused(root, False, "qconvert.json: not valid JSON")  # inspect / verify: a corrupt manifest is an error
-    ck = C.open_checkpoint(root, strict=True)  # convert rewrites the manifest: not read unless asked
     with pytest.raises(CheckpointError, match="qconvert.json: not valid JSON"):
-        ck.manifest
+        read_checkpoint(root)  # inspect / verify: a corrupt manifest is an error
+    for strict in (True, False):  # read on first use: convert rewrites a source's manifest, never reads it
+        ck = C.open_checkpoint(root, strict=strict)
+        with pytest.raises(CheckpointError, match="qconvert.json: not valid JSON"):
+            ck.manifest
     (root / C.MANIFEST_NAME).write_text(json.dumps(["not", "an", "object"]))
     with pytest.raises(CheckpointError, match="qconvert.json must be a JSON object"):
         C.read_manifest(root)
@@ -226,7 +231,71 @@ def test_problem_is_its_text_and_pickles_with_its_code():
     import copy
     import pickle
 
-    p = C.Problem("duplicate", "tensor 'x' appears in both a and b")
+    p = C.Problem("duplicate", "tensor 'x' appears in both a and b", "x")
     assert p == "tensor 'x' appears in both a and b" and json.dumps([p]) == '["tensor \'x\' appears in both a and b"]'
     for q in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
-        assert q == p and q.code == "duplicate"
+        assert q == p and q.code == "duplicate" and q.subject == "x"
+
+
+# ---- the entry points read through it -----------------------------------------------------------
+
+def _layout_manifest(root: Path, lay=None):
+    (root / C.MANIFEST_NAME).write_text(json.dumps({"scheme": "mxfp8", "layout": lay or {"name": "flashinfer-trtllm",
+                                                                                          "engine": "vllm"}}))
+
+
+def test_staging_and_loader_read_the_manifest_guarded(tmp_path):
+    from qconvert.client import staging
+    from qconvert.engine import vllm_layout_loader as L
+
+    root = _ckpt(tmp_path / "m", SHARDS)
+    assert staging.read_layout(root) is None and L.read_layout(root) is None
+    _layout_manifest(root)
+    assert staging.read_layout(root) == L.read_layout(root) == {"name": "flashinfer-trtllm", "engine": "vllm"}
+    outside = tmp_path / "elsewhere.json"
+    os.replace(root / C.MANIFEST_NAME, outside)
+    (root / C.MANIFEST_NAME).symlink_to(outside)  # read_layout used to follow it
+    with pytest.raises(CheckpointError, match="resolves outside"):
+        staging.read_layout(root)
+    with pytest.raises(L.PreshuffledLoadError, match="unreadable qconvert manifest: .*resolves outside"):
+        L.read_layout(root)
+    (root / C.MANIFEST_NAME).unlink()
+    os.mkfifo(root / C.MANIFEST_NAME)
+    with pytest.raises(CheckpointError, match="is a FIFO"):
+        staging.read_layout(root)
+
+
+def test_loader_refuses_a_tensor_in_two_shards_by_its_code(tmp_path):
+    from qconvert.engine import vllm_layout_loader as L
+
+    root = _ckpt(tmp_path / "m", {"a.safetensors": ["x.weight"], "b.safetensors": ["x.weight", "z.weight"]},
+                 {"x.weight": "a.safetensors", "z.weight": "b.safetensors"})
+    with pytest.raises(L.PreshuffledLoadError, match="tensor x.weight appears in two shards"):
+        L._checkpoint_entries(root)
+    (root / "b.safetensors").unlink()
+    _shard(root / "b.safetensors", ["z.weight"])
+    assert sorted(L._checkpoint_entries(root)) == ["x.weight", "z.weight"]
+
+
+@pytest.mark.parametrize("victim", ["config.json", "a.safetensors", C.MANIFEST_NAME, "hf_quant_config.json"])
+def test_reload_compat_and_refit_read_guarded(tmp_path, victim):
+    from qconvert.client.compat import check_reload_compatible
+    from qconvert.client.staging import checkpoint_contract
+    from qconvert.trainer.refit import reference_inventory
+
+    a = _ckpt(tmp_path / "a", SHARDS)
+    b = _ckpt(tmp_path / "b", SHARDS)
+    check_reload_compatible(a, b)
+    cfg, inv = reference_inventory(b)
+    assert cfg["architectures"] == ["Foo"] and inv["z.weight"] == ("BF16", (2, 4))
+    (b / victim).write_text("{}") if not (b / victim).exists() else None
+    outside = tmp_path / ("out-" + victim)
+    os.replace(b / victim, outside)
+    (b / victim).symlink_to(outside)
+    with pytest.raises(QConvertError, match="resolves outside"):
+        check_reload_compatible(a, b)
+    if victim in ("config.json", "a.safetensors"):
+        with pytest.raises(QConvertError, match="resolves outside"):
+            reference_inventory(b)
+        with pytest.raises(QConvertError, match="resolves outside"):
+            checkpoint_contract(b)

@@ -2,8 +2,8 @@
 the oracle tests hold to vLLM, torchao, ModelOpt and CUDA's own conversions (those tests call
 mxfp8_quantize / nvfp4_quantize, which run the C kernels on CPU wherever they could be built).
 
-Expected values here are the chains themselves, run directly (mxfp8._quantize_cpu,
-nvfp4._quantize_cpu), on every BF16 bit pattern and the adversarial cases of kernel_cases.py.
+Expected values here are the chains themselves, run directly (mxfp8.quantize_cpu_chain,
+nvfp4.quantize_cpu_chain), on every BF16 bit pattern and the adversarial cases of kernel_cases.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _chain_mxfp8(x):
     xb = x.reshape(-1, 32)
     q = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
     s = torch.empty(xb.shape[0], dtype=torch.uint8)
-    mxfp8._quantize_cpu(xb, q, s, 1)
+    mxfp8.quantize_cpu_chain(xb, q, s, 1)
     return q.view(torch.uint8), s
 
 
@@ -58,7 +58,7 @@ def _chain_nvfp4(x, g, recipe):
     xb = x.reshape(-1, 16)
     p = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
     sc = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
-    nvfp4._quantize_cpu(xb, g, nvfp4._scale_2(g, recipe), recipe, p, sc, 1)
+    nvfp4.quantize_cpu_chain(xb, g, nvfp4.recipe_scale_2(g, recipe), recipe, p, sc, 1)
     return p, sc.view(torch.uint8)
 
 
@@ -87,7 +87,7 @@ def test_nvfp4_c_equals_chain(case, recipe, c_path):
         assert int((sc[keep] != sc_ref[keep]).sum()) == 0, (name, gs)
         assert int((p[keep] != p_ref[keep]).sum()) == 0, (name, gs)
         assert torch.equal(p & 0x77, p_ref & 0x77), (name, gs)  # magnitudes everywhere: NaN -> 7
-        assert torch.equal(s2.view(torch.int32), nvfp4._scale_2(g, recipe).view(torch.int32)), (name, gs)
+        assert torch.equal(s2.view(torch.int32), nvfp4.recipe_scale_2(g, recipe).view(torch.int32)), (name, gs)
 
 
 def _f32_bits(v) -> int:
@@ -107,7 +107,7 @@ def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
     for gv in gs:
         g = torch.tensor(gv, dtype=torch.float32)
         s2, k0, k1 = nvfp4.cpu_tensor_scalars(np.float32(gv), recipe)
-        ref_s2 = nvfp4._scale_2(g, recipe)
+        ref_s2 = nvfp4.recipe_scale_2(g, recipe)
         ref_k0, ref_k1 = nvfp4.te_tensor_scalars(g) if recipe == "te" else (nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2)
         got = [_f32_bits(v) for v in (s2, k0, k1)]
         want = [int(t.view(torch.int32)) & 0xFFFFFFFF for t in (ref_s2, ref_k0, ref_k1)]
@@ -232,7 +232,7 @@ p, sc, _ = nvfp4.nvfp4_quantize(x, global_amax=g, recipe="te", workers=1)
 xb = x.reshape(-1, 16)
 p_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
 sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
-nvfp4._quantize_cpu(xb, g, nvfp4._scale_2(g, "te"), "te", p_ref, sc_ref, 1)
+nvfp4.quantize_cpu_chain(xb, g, nvfp4.recipe_scale_2(g, "te"), "te", p_ref, sc_ref, 1)
 print("same" if torch.equal(p.reshape(-1, 8), p_ref) else "differ")
 """
 

@@ -54,6 +54,8 @@ def test_area_json_round_trip():
     back = fs.parse_area(doc)
     assert back == spec and back.mismatch(spec) is None
     assert back.files[0].tensors["model.embed_tokens.weight"].nbytes == 512
+    doc["files"][0]["tensors"]["model.norm.weight"].update(dtype="F32", shape=[2], offset=772)  # small: own alignment
+    assert fs.parse_area(doc).files[0].tensors["model.norm.weight"].offset == 772
 
 
 def _mutate(path, fn):
@@ -66,8 +68,9 @@ def _mutate(path, fn):
     (lambda d: d.update(format="qconvert-staging/3"), "unknown format"),
     (lambda d: d.update(digest="md5"), "digest kind"),
     (lambda d: d.update(tp=0), "tp is 0"),
-    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(offset=100), "not a multiple of 256"),
+    (lambda d: d["files"][0]["tensors"]["model.embed_tokens.weight"].update(offset=300), "not a multiple of 256"),
     (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[1000]), "past its file"),
+    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[3], offset=769), "not a multiple of 256"),
     (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(dtype="F4"), "unknown"),
     (lambda d: d["files"][1].update(rank=[5, 0]), "outside tp=2"),
     (lambda d: d["files"][1].update(rank=[1, 0]), "disagree"),

@@ -123,10 +123,13 @@ def _opts(scheme, last_n_bf16=0, layout=None, input_mode="weight-only"):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("form", ["out_in", "in_out_w"])
-def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path):
+def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, monkeypatch):
     """Converting the fused checkpoint gives every output tensor, and the quantization config,
     byte for byte as converting the split checkpoint."""
     kw = CASES[case]
+    if form == "in_out_w":  # every job on the dispatch thread: a merged job's parts run side by side
+        from qconvert.convert import kernels
+        monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 0)
     a = convert(str(demo_moe), tmp_path / "split", opts=_opts(**kw))
     b = convert(str(fused_dirs[form]), tmp_path / "fused", opts=_opts(**kw))
     ta, tb = _load_dir(tmp_path / "split"), _load_dir(tmp_path / "fused")
@@ -316,3 +319,80 @@ def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
         assert m["top1_agreement"] >= 0.9 and m["mean_kl"] < MOE_VS_DEQUANT_MEAN_KL, (k, m)
         assert q["layers"]["model.layers.0.mlp.experts.routed_experts"] == MOE_METHOD[k], (k, q["layers"])
         assert q["layers"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod", k
+
+
+@pytest.mark.parametrize("case", ["mxfp8_last1", "nvfp4", "mxfp8_layout"])
+def test_verify_against_fused_source(case, fused_dirs, tmp_path):
+    """``verify`` takes a fused SRC: every per-expert output is checked against its slice of the
+    fused tensor (values, kept bytes, layouts)."""
+    from qconvert.verify import verify
+    src = fused_dirs["in_out_w"]
+    convert(str(src), tmp_path / "q", opts=_opts(**CASES[case]))
+    r = verify(str(src), str(tmp_path / "q"))
+    assert r.ok, r.failures
+    if "layout" not in case:
+        assert any(t.module.endswith(".experts.3.up_proj") for t in r.tensors)
+
+
+def test_verify_catches_wrong_expert_against_fused_source(fused_dirs, tmp_path):
+    """Swapping two experts' quantized gate weights in DST fails verify against the fused SRC."""
+    from safetensors.torch import save_file
+    from qconvert.verify import verify
+    src = fused_dirs["out_in"]
+    q = tmp_path / "q"
+    convert(str(src), q, opts=_opts("mxfp8"))
+    a, b = "model.layers.1.mlp.experts.2.gate_proj.", "model.layers.1.mlp.experts.5.gate_proj."
+    for f in q.glob("*.safetensors"):
+        t = load_file(f)
+        if a + "weight" in t:
+            assert b + "weight" in t  # one layer's experts sit in one shard
+            for s in ("weight", "weight_scale"):
+                t[a + s], t[b + s] = t[b + s], t[a + s]
+            save_file(t, f, metadata={"format": "pt"})
+    r = verify(str(src), str(q))
+    assert not r.ok
+    assert any("experts.2.gate_proj" in x or "experts.5.gate_proj" in x for x in r.failures), r.failures
+
+
+def test_inspect_fused_source(fused_dirs, demo_moe, split_tensors, config, tmp_path):
+    from qconvert.inspect import inspect_checkpoint
+    r = inspect_checkpoint(fused_dirs["in_out_w"])
+    assert r.moe and r.scheme == "bf16"
+    note = [n for n in r.notes if n.startswith("fused expert tensors")]
+    assert note == [f"fused expert tensors: {2 * config['num_hidden_layers']} (…experts.gate_up_proj / down_proj, "
+                    "[E, in, out] (transposed)); qconvert writes them as per-expert experts.{e}.gate_proj/up_proj/"
+                    "down_proj"]
+    assert not any(n.startswith("fused expert tensors") for n in inspect_checkpoint(demo_moe).notes)
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    d = write_like(demo_moe, tmp_path / "gptoss", t, dict(config, architectures=["GptOssForCausalLM"]))
+    assert any(n.startswith("fused expert tensors: qconvert refuses them:") and "gpt-oss" in n
+               for n in inspect_checkpoint(d).notes)
+
+
+def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_path):
+    """The silent pass-through of issue 21 (fused experts kept BF16 but declared quantized) is now
+    a one-line refusal at the command line, with nothing written."""
+    from click.testing import CliRunner
+    from qconvert.cli import main
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    d = write_like(demo_moe, tmp_path / "src", t, dict(config, architectures=["GptOssForCausalLM"]))
+    r = CliRunner().invoke(main, ["mxfp8", str(d), str(tmp_path / "out")])
+    assert r.exit_code == 1
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.layers.0.mlp.experts.gate_up_proj" in lines[0] and "gpt-oss" in lines[0], r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, config, tmp_path):
+    """A NaN inside a fused tensor: a fresh ``qconvert`` process exits 1 with one line naming the
+    fused tensor the user has and the expert, not a per-expert name that is not in the files."""
+    from test_hostile_convert import assert_one_line, cli
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    n = "model.layers.1.mlp.experts.gate_up_proj"
+    t[n] = t[n].clone()
+    t[n][5, config["moe_intermediate_size"] + 3, 7] = float("nan")  # expert 5, up half
+    d = write_like(demo_moe, tmp_path / "src", t)
+    r = cli("mxfp8", str(d), str(tmp_path / "out"))
+    line = assert_one_line(r, 1, "NaN")
+    assert f"'{n}' (expert 5, up_proj)" in line, line
+    assert not (tmp_path / "out").exists()

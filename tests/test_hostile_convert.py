@@ -242,7 +242,7 @@ def test_no_thread_outlives_an_interrupted_conversion(src, tmp_path, monkeypatch
 def test_ctrl_c_waits_for_kernel_chunks():
     """A Ctrl-C while the calling thread waits for C-kernel chunks returns only after every chunk
     has finished (they write through raw pointers into the caller's tensors)."""
-    from qconvert.convert.numerics import cpu_kernels
+    from qconvert.convert.numerics import pool
 
     started, finished = [], []
     first = threading.Event()
@@ -262,7 +262,7 @@ def test_ctrl_c_waits_for_kernel_chunks():
 
     threading.Thread(target=interrupt_soon).start()
     with pytest.raises(KeyboardInterrupt):
-        cpu_kernels._run_chunks(chunk, 1 << 16, 2, 4096)
+        pool.run_chunks(chunk, 1 << 16, 2, 4096)
         time.sleep(5)  # not reached with the interrupt delivered in time
     assert len(finished) == len(started) == 8  # 8 chunks of 8192, none still running
 

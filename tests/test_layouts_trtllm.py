@@ -450,19 +450,19 @@ def test_stack_hf_experts_round_trip():
         L.stack_hf_experts(hf, prefix)
 
 
-def test_layout_contract():
-    c = L.layout_contract("mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=4)
+def test_kernel_layout_contract():
+    c = L.kernel_layout_contract("mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=4)
     assert c["intermediate_size_per_rank"] == 192 and c["intermediate_size_per_rank_padded"] == 256
     assert c["padding"]["scale_pad"] == 127 and c["epilogue_tile_m"] == 128 and c["gate_up_order"] == "up,gate"
     assert c["param_names"] == ["w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"]
     import json
 
     stored = json.loads(json.dumps(c))
-    L.check_layout_contract(stored, c)
-    other = L.layout_contract("mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=2)
+    L.check_kernel_layout_contract(stored, c)
+    other = L.kernel_layout_contract("mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=2)
     with pytest.raises(L.LayoutError, match="tp"):
-        L.check_layout_contract(stored, other)
-    s = L.layout_contract("bf16", "sglang", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H)
+        L.check_kernel_layout_contract(stored, other)
+    s = L.kernel_layout_contract("bf16", "sglang", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H)
     assert s["weight_layout"] == "BlockMajorK" and s["block_k_bytes"] == 128
     with pytest.raises(L.LayoutError):
-        L.check_layout_contract(s, L.layout_contract("bf16", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H))
+        L.check_kernel_layout_contract(s, L.kernel_layout_contract("bf16", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H))

@@ -229,3 +229,49 @@ def test_per_tensor_fp8_refused(tmp_path, demo_dense):
     with pytest.raises(QConvertError, match="per-tensor FP8"):
         convert(str(src), tmp_path / "o", "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"),
                                                                   progress=False))
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_verify_decodes_the_fp8_source(fp8_src, tmp_path, scheme):
+    from qconvert.verify import verify
+
+    src, t = fp8_src
+    dst = tmp_path / scheme
+    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1),
+                                                  progress=False))
+    r = verify(str(src), str(dst))
+    assert r.ok, r.failures
+    r.checks.pop("format")
+    assert all(v.startswith("ok") for v in r.checks.values()), r.checks
+    assert r.tensors and all(x.exact for x in r.tensors)
+    pow2 = {n[: -len(".weight_scale_inv")] for n in t if n.endswith("weight_scale_inv")
+            and bool(fp8_block.pow2_blocks(t[n]).all())}
+    got = {x.module: x.lossless for x in r.tensors}
+    assert len(pow2) == 8 and all(got[m] is (scheme == "mxfp8") for m in pow2)
+    assert all(v is False for m, v in got.items() if m not in pow2)  # layer 3 (last, BF16 layer) is kept
+    if scheme == "mxfp8":
+        assert "8 of 21" in r.checks["lossless"]
+        # a changed byte in a lossless tensor is caught
+        from safetensors.torch import load_file, save_file
+        f = dst / "model.safetensors"
+        ts = load_file(f)
+        w = ts["model.layers.0.mlp.up_proj.weight"].view(torch.uint8)
+        w[0, 0] ^= 1
+        save_file(ts, str(f), metadata={"format": "pt"})
+        r2 = verify(str(src), str(dst))
+        assert not r2.ok and any("model.layers.0.mlp.up_proj" in f for f in r2.failures), r2.failures
+
+
+def test_inspect_and_card_say_the_source(fp8_src, tmp_path):
+    from qconvert.hub import render_card
+    from qconvert.inspect import format_report, inspect_checkpoint
+
+    src, _ = fp8_src
+    dst = tmp_path / "mx"
+    convert(str(src), dst, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
+    rep = inspect_checkpoint(str(dst))
+    assert rep.source.startswith("FP8 block-scaled (weight_block_size [128, 128])")
+    assert "8 lossless" in rep.source and "17 requantized" in rep.source and "3 BF16 source" in rep.source
+    assert f"source     : {rep.source}" in format_report(rep)
+    card = render_card(dst, "org/model-MXFP8")
+    assert "| source | FP8 block-scaled" in card and "8 lossless" in card

@@ -14,7 +14,8 @@ from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.errors import QConvertError
 from qconvert.client import staging
-from qconvert.trainer.refit import stage_refit
+from qconvert.formats import staging as fs
+from qconvert.trainer.refit import Refitter, stage_refit
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -64,28 +65,29 @@ def test_refit_bytes_equal_converter(arch, scheme, extra, plan, demo_moe, demo_d
         assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape, k
         assert torch.equal(want[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)), k
     cw = json.loads((dst / "config.json").read_text())
-    cg = json.loads((res.area.path / "config.json").read_text())
+    cg = json.loads((res.area.root / "config.json").read_text())
     assert cw == cg
     for extra_file in dst.glob("*.json"):
         if extra_file.name not in ("qconvert.json", "model.safetensors.index.json"):
-            assert (res.area.path / extra_file.name).is_file(), extra_file.name
-    # and the staging area passes its own checks against the converted checkpoint's contract
-    staging.open_area("r", expected_contract=staging.checkpoint_contract(dst))
+            assert (res.area.root / extra_file.name).is_file(), extra_file.name
+    # and the staging area's contract is the converted checkpoint's
+    assert fs.read_area(res.area.root).contract == staging.checkpoint_contract(dst)
 
 
 def test_refit_layer_complete_before_staging(demo_dense, tmp_path, monkeypatch):
-    """Each staging group is written once, only when all of a layer's tensors arrived."""
+    """Each layer group is quantized and written once, only when all of a layer's tensors arrived."""
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
     seen = []
-    orig = staging.StagingWriter.add_group
+    orig = Refitter._write_group
 
-    def spy(self, tensors):
-        seen.append({staging.layer_of(n) for n, *_ in tensors})
-        return orig(self, tensors)
+    def spy(self, key):
+        seen.append(({staging.layer_of(n) for n in self._buffers[key]}, set(self._buffers[key]) == self._need[key]))
+        return orig(self, key)
 
-    monkeypatch.setattr(staging.StagingWriter, "add_group", spy)
+    monkeypatch.setattr(Refitter, "_write_group", spy)
     res = stage_refit(_trainer_stream(demo_dense), reference=demo_dense, stage_name="r")
-    layers = [s.pop() for s in seen if s != {None}]
+    assert all(complete for _, complete in seen)
+    layers = [s.pop() for s, _ in seen if s != {None}]
     assert layers == sorted(set(layers)) and len(layers) == json.loads(
         (demo_dense / "config.json").read_text())["num_hidden_layers"]
     assert res.tensors_in == len(_tensors(demo_dense))
@@ -101,7 +103,8 @@ def test_refit_refuses_missing_and_foreign_tensors(demo_dense, tmp_path, monkeyp
     bad = [(n, t.float()) if i == 0 else (n, t) for i, (n, t) in enumerate(items)]
     with pytest.raises(QConvertError, match="the reference has"):
         stage_refit(bad, reference=demo_dense, stage_name="r")
-    assert not (tmp_path / "shm" / "r").exists()
+    with pytest.raises(QConvertError, match="nothing committed yet"):  # the area exists, no version in it
+        fs.read_area(tmp_path / "shm" / "r")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

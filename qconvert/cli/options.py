@@ -60,6 +60,13 @@ REVISION = click.option("--revision", default=None,
 
 # ------------------------------------------------------------------------------- convert commands
 
+
+def last_n_bf16(default: int):
+    """``--last-n-bf16``: the convert commands' (default 0) and demo's (default 1, one BF16 layer)."""
+    return click.option("--last-n-bf16", type=click.IntRange(min=0), default=default, show_default=True,
+                        help="Keep the last N decoder layers in BF16.")
+
+
 SRC = click.argument("src")
 DST = click.argument("dst")
 DST_OPTIONAL = click.argument("dst", required=False)
@@ -67,8 +74,7 @@ DST_OPTIONAL = click.argument("dst", required=False)
 PLAN = options(
     SRC,
     DST_OPTIONAL,
-    click.option("--last-n-bf16", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="Keep the last N decoder layers in BF16."),
+    last_n_bf16(0),
     click.option("--first-n-bf16", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Keep the first M decoder layers in BF16."),
     click.option("--keep-bf16", multiple=True, metavar="PATTERN",
@@ -118,7 +124,7 @@ MXFP8_DIALECT = click.option(
 
 NVFP4 = options(
     click.option("--dialect", type=click.Choice(list(DIALECTS["nvfp4"])), default="modelopt",
-                 show_default=True),
+                 show_default=True, help="modelopt: ModelOpt NVFP4; compressed-tensors: nvfp4-pack-quantized."),
     click.option("--recipe", type=click.Choice(list(NVFP4_RECIPES)), default="te", show_default=True,
                  help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's; "
                       "4over6: TransformerEngine 2.17's 4over6 (per block the better of max->6 and max->4; "
@@ -137,7 +143,7 @@ DEMO = options(
     click.option("--arch", type=click.Choice(["qwen3-moe", "qwen3", "llama-tied"]), default="qwen3-moe",
                  show_default=True),
     click.option("--scheme", type=click.Choice(["mxfp8", "nvfp4"]), default="mxfp8", show_default=True),
-    click.option("--last-n-bf16", type=int, default=1, show_default=True),
+    last_n_bf16(1),
     click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Seed of the random weights: another seed gives a checkpoint of the same shapes and "
                       "options (one to hot-reload into a server started on the first)."),

@@ -12,13 +12,10 @@ safetensors headers; no tensor data is read).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from qconvert.convert.safetensors_io import read_header
 from qconvert.errors import QConvertError
-from qconvert.formats.dialects import HF_QUANT_CONFIG
 from qconvert.formats.exclusions import ANY_LIST_KEYS, first_list
 from qconvert.formats.manifest import MANIFEST_NAME
 
@@ -30,44 +27,26 @@ class ReloadIncompatible(QConvertError):
     """The new checkpoint cannot be reloaded into the engine serving the old one."""
 
 
-def _json(path: Path) -> Any:
-    from qconvert.convert.checkpoint import read_member_json
-    if not os.path.lexists(path):
-        return None
-    try:
-        return read_member_json(path.parent, path)  # guarded: inside the checkpoint, a regular file
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise QConvertError(f"{path}: unreadable JSON ({e}); restore the file") from None
+def _open(d: Path):
+    """The checkpoint reader's view of ``d`` (lenient; guarded: config.json, index, shard headers;
+    hf_quant_config.json and qconvert.json on first use)."""
+    from qconvert.convert.checkpoint import open_checkpoint
+
+    return open_checkpoint(d, strict=False)
 
 
-def _quant_config(d: Path) -> dict | None:
-    cfg = _json(d / "config.json")
-    if not isinstance(cfg, dict):
-        raise QConvertError(f"{d / 'config.json'}: missing or not a JSON object; is {d} a checkpoint?")
-    qc = cfg.get("quantization_config")
+def _quant_config(ck) -> dict | None:
+    qc = ck.config.get("quantization_config")
     if qc is None:
         # ModelOpt exports may carry the config only in hf_quant_config.json
-        hf = _json(d / HF_QUANT_CONFIG)
+        hf = ck.hf_quant_config
         if isinstance(hf, dict) and isinstance(hf.get("quantization"), dict):
             qc = {"quant_method": "modelopt", **hf["quantization"]}
     return qc if isinstance(qc, dict) else None
 
 
-def _manifest(d: Path) -> dict | None:
-    m = _json(d / MANIFEST_NAME)
-    return m if isinstance(m, dict) else None
-
-
-def _tensors(d: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    from qconvert.convert.checkpoint import guard
-    shards = sorted(d.glob("*.safetensors"))
-    if not shards:
-        raise QConvertError(f"{d}: no *.safetensors files; is it a checkpoint directory?")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for p in shards:
-        for name, e in read_header(guard(d, p)).entries.items():
-            out[name] = (e.dtype, tuple(e.shape))
-    return out
+def _tensors(ck) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (e.dtype, tuple(e.shape)) for h in ck.shards for name, e in h.entries.items()}
 
 
 def _leaf_diff(a: Any, b: Any, path: str) -> tuple[str, Any, Any]:
@@ -91,6 +70,7 @@ def _first(items) -> str:
 
 
 def _diff_reason(served: Path, new: Path) -> str | None:
+    served, new = _open(served), _open(new)
     qa, qb = _quant_config(served), _quant_config(new)
     if (qa is None) != (qb is None):
         which = "served" if qa is None else "new"
@@ -112,7 +92,7 @@ def _diff_reason(served: Path, new: Path) -> str | None:
             if qa.get(key) != qb.get(key):
                 path, va, vb = _leaf_diff(qa.get(key), qb.get(key), key)
                 return f"quantization_config {path} differs: served {_short(va)}, new {_short(vb)}"
-    ma, mb = _manifest(served), _manifest(new)
+    ma, mb = served.manifest, new.manifest
     if ma is not None and mb is not None:
         for key in ("scheme", "dialect", "layout"):
             if ma.get(key) != mb.get(key):

@@ -44,8 +44,8 @@ import torch
 
 from qconvert.convert.safetensors_io import sha256_file
 from qconvert.errors import QConvertError
-from qconvert.formats.manifest import MANIFEST_NAME
 
+from qconvert.formats import staging as fs
 from qconvert.formats.staging import (  # noqa: F401  (the on-disk facts live there, once)
     ALIGN, FORMAT_V1 as FORMAT, MANIFEST_V1 as MANIFEST, NAME_RE, StagingError, check_name as _check_name,
     manifest_digest_v1 as _manifest_digest, staging_root,
@@ -97,13 +97,11 @@ def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int
 
 
 def read_layout(root: Path) -> dict | None:
-    """The kernel-layout contract of a pre-shuffled qconvert checkpoint (``qconvert.json`` ``layout``)."""
-    try:
-        info = json.loads((Path(root) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    lay = info.get("layout") if isinstance(info, dict) else None
-    return lay if isinstance(lay, dict) else None
+    """The kernel-layout contract of a pre-shuffled qconvert checkpoint (the manifest's ``layout``),
+    None without one; read guarded (a corrupt manifest, a link out or a FIFO is an error)."""
+    from qconvert.convert.checkpoint import manifest_layout, read_manifest
+
+    return manifest_layout(read_manifest(root))
 
 
 def contract_mismatch(have: dict, want: dict) -> list[str]:
@@ -112,60 +110,26 @@ def contract_mismatch(have: dict, want: dict) -> list[str]:
 
 
 def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
-    """Layout contract of a checkpoint directory (reads only config.json and shard headers)."""
-    from qconvert.convert.safetensors_io import read_header
+    """Layout contract of a checkpoint directory (reads only config.json, shard headers, manifest)."""
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    root = Path(ckpt)
-    config = read_config(root)
-    tensors = []
-    for shard in shard_files(root):
-        for e in read_header(shard).entries.values():
-            tensors.append((e.name, e.dtype, e.shape))
-    return layout_contract(config, tensors, read_layout(root))
-
-
-def _guarded(root: Path, p: Path) -> Path:
-    """``p`` through the checkpoint guard (inside ``root`` after resolving links, a regular file)."""
-    from qconvert.convert.checkpoint import guard
-
-    return guard(root, p)
-
-
-def _read_guarded(root: Path, p: Path) -> bytes:
-    from qconvert.convert.checkpoint import open_member
-
-    with open_member(root, p) as f:
-        return f.read()
+    ck = open_checkpoint(ckpt, strict=False)
+    tensors = [(e.name, e.dtype, e.shape) for h in ck.shards for e in h.entries.values()]
+    return layout_contract(ck.config, tensors, ck.layout)
 
 
 def read_config(root: Path) -> dict:
-    p = root / "config.json"
-    if not os.path.lexists(p):
-        raise StagingError(f"{root}/config.json: not found; pass a Hugging Face checkpoint directory")
-    try:
-        return json.loads(_read_guarded(root, p))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise StagingError(f"{root}/config.json: not valid JSON ({e}); fix or re-export it") from None
+    """config.json of a checkpoint directory (:func:`qconvert.convert.checkpoint.read_config`)."""
+    from qconvert.convert.checkpoint import read_config as _read_config
+
+    return _read_config(root)
 
 
 def shard_files(root: Path) -> list[Path]:
-    index = root / INDEX
-    if os.path.lexists(index):
-        try:
-            wm = json.loads(_read_guarded(root, index))["weight_map"]
-            names = sorted(set(wm.values()))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise StagingError(f"{index}: unreadable index ({e}); fix or re-export it") from None
-        out = []
-        for n in names:
-            if not isinstance(n, str) or not n or os.path.isabs(n) or ".." in n.split("/"):
-                raise StagingError(f"{index}: shard {n!r} lies outside the checkpoint; refusing it")
-            out.append(_guarded(root, root / n))
-        return out
-    shards = sorted(root.glob("*.safetensors"))
-    if not shards:
-        raise StagingError(f"{root}: no .safetensors files; pass a safetensors checkpoint directory")
-    return [_guarded(root, p) for p in shards]
+    """The shard files of a checkpoint directory, as the checkpoint reader lists them (lenient)."""
+    from qconvert.convert.checkpoint import open_checkpoint
+
+    return [h.path for h in open_checkpoint(root, strict=False).shards]
 
 
 # ----------------------------------------------------------------------------- writer
@@ -193,9 +157,9 @@ def _pack(sizes: list[tuple[str, int]]) -> list[list[str]]:
     return files
 
 
-def _header_bytes(specs: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
+def _header_bytes(specs: list[tuple[str, str, tuple[int, ...], int]], fmt: str = FORMAT) -> tuple[bytes, list[int]]:
     """safetensors header for (name, tag, shape, nbytes) in order, padded so data starts at 256."""
-    hdr: dict = {"__metadata__": {"format": "pt", "qconvert": FORMAT}}
+    hdr: dict = {"__metadata__": {"format": "pt", "qconvert": fmt}}
     offsets, off = [], 0
     for name, tag, shape, nbytes in specs:
         hdr[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + nbytes]}
@@ -379,21 +343,22 @@ def rank_of(name: str, layout: dict | None) -> tuple[int, int] | None:
 
 def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":
     """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
-    from qconvert.convert.safetensors_io import read_header
 
     src = Path(ckpt)
     if not src.is_dir():
         raise StagingError(f"{src}: not a directory; pass a Hugging Face checkpoint directory")
     _check_name(name)
-    config = read_config(src)
-    headers = [read_header(p) for p in shard_files(src)]
+    from qconvert.convert.checkpoint import open_checkpoint, read_member
+
+    ck = open_checkpoint(src, strict=False)  # guarded, headers validated
+    config, headers = ck.config, ck.shards
     where: dict[str, tuple] = {}
     for h in headers:
         for e in h.entries.values():
             if e.name in where:
                 raise StagingError(f"{src}: tensor {e.name!r} is in two shards; fix the checkpoint")
             where[e.name] = (h.path, e)
-    layout = read_layout(src)
+    layout = ck.layout
     groups: dict[tuple, list[str]] = {}
     for n in where:
         r = rank_of(n, layout)
@@ -422,7 +387,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
         for p in sorted(src.iterdir()):
             if p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES and not p.name.startswith(".") \
                     and not p.is_dir():
-                w.add_file(p.name, _read_guarded(src, p))
+                w.add_file(p.name, read_member(src, p))
         return w.commit()
 
 
@@ -527,6 +492,15 @@ def list_areas(root: Path | None = None) -> list[dict]:
             continue
         if p.name.startswith(".") or not (p.is_dir() or p.is_symlink()):
             continue
+        if not p.is_symlink() and os.path.lexists(p / fs.AREA_JSON):  # a refit area (version 2)
+            try:
+                v = fs.read_area(p)
+                out.append({"name": p.name, "bytes": 2 * v.nbytes, "source": f"refit, version {v.version}",
+                            "created": None, "ok": True, "problem": ""})
+            except QConvertError as e:
+                out.append({"name": p.name, "bytes": None, "source": "refit", "created": None, "ok": False,
+                            "problem": str(e)})
+            continue
         try:
             a = open_area(p.name, root=r, verify_data=False)
             out.append({"name": p.name, "bytes": a.nbytes, "source": a.manifest.get("source", ""),
@@ -611,3 +585,148 @@ def _refuse_link(p: Path) -> None:
                            "in the staging root (move the link away)")
     if not stat.S_ISDIR(st.st_mode):
         raise StagingError(f"{p}: is not a directory, so not a staging area; move it away")
+
+
+# ----------------------------------------------------------------------------- version 2 (refit)
+# The persistent two-slot area of docs/reload.md#staging-area-format: its files are laid out once
+# from the output inventory, created once, mapped once and overwritten in place at every refit.
+
+
+#: A version 2 file holds at most this many bytes (unless one tensor is larger): a layer's digests
+#: are computed on several threads, and the last layer's adds little to the commit.
+PART_BYTES = 128 << 20
+
+
+def pack_v2(group: int, rank: tuple[int, int] | None,
+            tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[fs.FileSpec, bytes]]:
+    """The files of one (group, rank): (FileSpec, header bytes). Tensors whose size is a multiple of
+    256 (each 256-aligned), in files of at most :data:`PART_BYTES`, the last of which then takes
+    those under 256 bytes by falling element size (each at a multiple of its element size); any
+    other tensor gets a file of its own."""
+    size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in tensors}
+    meta = {n: (tag, tuple(int(x) for x in shape)) for n, tag, shape in tensors}
+    even = sorted(n for n in size if size[n] % ALIGN == 0)
+    tiny = sorted((n for n in size if size[n] < ALIGN and size[n] % ALIGN),
+                  key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n))
+    odd = sorted(n for n in size if size[n] % ALIGN and size[n] >= ALIGN)
+    parts: list[list[str]] = [[]]
+    filled = 0
+    for n in even:  # files of at most PART_BYTES (or one tensor): digests run in parallel over them
+        if parts[-1] and filled + size[n] > PART_BYTES:
+            parts.append([])
+            filled = 0
+        parts[-1].append(n)
+        filled += size[n]
+    parts[-1] += tiny
+    parts = [p for p in parts if p] + [[n] for n in odd]
+    out = []
+    for part, names in enumerate(parts):
+        head, offs = _header_bytes([(n, *meta[n], size[n]) for n in names], fs.FORMAT_V2)
+        specs = {n: fs.TensorSpec(meta[n][0], meta[n][1], len(head) + off) for n, off in zip(names, offs)}
+        out.append((fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank,
+                                specs), head))
+    return out
+
+
+def create_area_v2(name: str, spec: fs.AreaSpec, headers: dict[str, bytes], extra: dict[str, bytes], *,
+                   root: Path | None = None) -> Path:
+    """Create the area ``name`` (both slots' files at full size with their headers, area.json, the
+    extra files) in a hidden directory, renamed into place when complete. Nothing is committed."""
+    _check_name(name)
+    r = Path(root) if root is not None else staging_root()
+    r.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_root(r)
+    final = r / name
+    _refuse_link(final)
+    tmp = r / f"{_TMP_PREFIX.format(name=name)}{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp, 0o700)
+    lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # list_areas: being written
+        for k in fs.SLOTS:
+            d = fs.slot_dir(tmp, k)
+            os.mkdir(d, 0o700)
+            os.close(os.open(d / fs.LOCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            for f in spec.files:
+                with _open_private(d / f.name) as fh:
+                    fh.write(headers[f.name])
+                    fh.truncate(f.size)  # tmpfs: pages are populated by the first refit's writes
+        for fname in spec.extra_files:
+            with _open_private(tmp / fname) as fh:
+                fh.write(extra[fname])
+        fs.write_json_atomic(tmp / fs.AREA_JSON, spec.to_json())
+        try:
+            os.rename(tmp, final)  # an existing non-empty area makes this fail: never replaced
+        except OSError:
+            raise StagingError(f"staging area {final} appeared while it was being created; another trainer "
+                               "creates it: pass rank/world_size to every trainer rank") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock)
+    return final
+
+
+class SlotMaps:
+    """The files of both slots of an area, each mapped (MAP_SHARED) once, on first use, and with
+    ``cuda`` registered with ``cudaHostRegister`` (page-locked, so device-to-host copies go straight
+    in at full speed). Kept until :meth:`close`."""
+
+    def __init__(self, area: Path, spec: fs.AreaSpec, cuda: bool = False):
+        self.area, self.cuda = Path(area), cuda
+        self.sizes = {f.name: f.size for f in spec.files}
+        self._maps: dict[tuple[int, str], tuple] = {}  # (slot, file) -> (mmap, uint8 tensor, registered)
+
+    def tensor(self, slot: int, fname: str) -> torch.Tensor:
+        """The whole file as a writable uint8 tensor over the mapping. The first use of a file maps
+        (and registers) it in both slots, so that the first refit pays for both."""
+        if (slot, fname) not in self._maps:
+            for k in fs.SLOTS:
+                self._map(k, fname)
+        return self._maps[(slot, fname)][1]
+
+    def _map(self, slot: int, fname: str) -> None:
+        m = self._maps.get((slot, fname))
+        if m is None:
+            import mmap
+
+            p = fs.slot_dir(self.area, slot) / fname
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != self.sizes[fname] or st.st_uid != os.getuid():
+                    raise StagingError(f"{p}: not the file area.json describes (size {st.st_size}, want "
+                                       f"{self.sizes[fname]}); drop the staging area and refit again")
+                mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            t = torch.frombuffer(mm, dtype=torch.uint8)
+            registered = False
+            if self.cuda:
+                rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+                if int(getattr(rc, "value", rc)) != 0:
+                    raise StagingError(f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
+                                       "raise the locked-memory limit (ulimit -l) or stage with device='cpu'")
+                registered = True
+            self._maps[(slot, fname)] = (mm, t, registered)
+
+    def buffer(self, slot: int, fname: str):
+        """The mapping of a file (for digests), mapping it if needed."""
+        self.tensor(slot, fname)
+        return self._maps[(slot, fname)][0]
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        mms = []
+        for mm, t, registered in maps.values():
+            if registered:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            mms.append(mm)
+        maps.clear()
+        t = None  # noqa: F841 - the last tensor view of a mapping goes before the mapping closes
+        for mm in mms:
+            try:
+                mm.close()
+            except BufferError:  # a view of it still lives somewhere: the mapping goes with it
+                pass

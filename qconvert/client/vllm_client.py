@@ -230,8 +230,7 @@ def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
     """SHA-256 of the checkpoint's norm weights (never quantized, fused or TP-sharded), as vLLM's
     ``/weight_checker`` computes them for the same parameter names. ``ckpt`` may be a staging area
     (its committed files)."""
-    from qconvert.convert.safetensors_io import read_header
-    from qconvert.client.staging import shard_files
+    from qconvert.convert.checkpoint import open_checkpoint, open_member
     from qconvert.formats import staging as fmt
 
     out = {}
@@ -244,9 +243,9 @@ def expected_norm_digests(ckpt: str | os.PathLike) -> dict[str, str]:
                             fh.seek(t.offset)
                             out[name] = hashlib.sha256(fh.read(t.nbytes)).hexdigest()
         return out
-    for shard in shard_files(Path(ckpt)):
-        h = read_header(shard)
-        with open(shard, "rb") as f:
+    ck = open_checkpoint(ckpt, strict=False)
+    for h in ck.shards:
+        with open_member(ck.root, h.path) as f:  # guarded: a FIFO swapped in since is refused
             for e in h.entries.values():
                 if "norm" in e.name and e.name.endswith(".weight"):
                     f.seek(e.start)
@@ -288,6 +287,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     import time
 
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
+    from qconvert.convert.checkpoint import read_config
 
     t0 = time.perf_counter()
     client.check_dev_mode()
@@ -295,7 +295,7 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     if ver not in SUPPORTED_VLLM_VERSIONS:
         log.warning("%s runs vLLM %s; qconvert reload is tested with %s", client.url, ver,
                     ", ".join(SUPPORTED_VLLM_VERSIONS))
-    config = json.loads(Path(path, "config.json").read_text())
+    config = read_config(path)  # guarded, as every checkpoint read
     repack = False
     if _is_moe(config) and client.is_cpu():
         if not client.has_extension():

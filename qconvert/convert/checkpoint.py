@@ -116,10 +116,15 @@ def open_member(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False
     return open_regular(guard(root, p, hub))
 
 
+def read_member(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False) -> bytes:
+    """The bytes of a guarded checkpoint file (a small one: config, tokenizer, index)."""
+    with open_member(root, p, hub) as f:
+        return f.read()
+
+
 def read_member_json(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False):
     """Parsed JSON of a guarded checkpoint file (ValueError / UnicodeDecodeError as json raises them)."""
-    with open_member(root, p, hub) as f:
-        return json.loads(f.read().decode("utf-8"))
+    return json.loads(read_member(root, p, hub).decode("utf-8"))
 
 
 #: Weights of other frameworks or formats, never copied into the output (wherever they are).
@@ -171,17 +176,19 @@ CONFIG_NAME = "config.json"
 
 class Problem(str):
     """One consistency problem of a checkpoint directory: the one-line text (a ``str``, so reports
-    print it as is) and ``code``, what the decision is taken on (:data:`PROBLEM_CODES`)."""
+    print it as is), ``code``, what decisions are taken on (:data:`PROBLEM_CODES`), and
+    ``subject``, the tensor or file it is about."""
 
     code: str
+    subject: str
 
-    def __new__(cls, code: str, text: str):
+    def __new__(cls, code: str, text: str, subject: str = ""):
         obj = super().__new__(cls, text)
-        obj.code = code
+        obj.code, obj.subject = code, subject
         return obj
 
     def __reduce__(self):
-        return Problem, (self.code, str(self))
+        return Problem, (self.code, str(self), self.subject)
 
 
 #: Problem codes. Strict mode raises on the first problem whose code is in :data:`FATAL_STRICT`
@@ -239,8 +246,8 @@ manifest_layout = layout_section
 @dataclass
 class CheckpointDir:
     """A checkpoint directory as :func:`open_checkpoint` read it: config, index, every shard's
-    validated header, and the problems found. ``hf_quant_config`` and ``manifest`` are read on
-    first use (eagerly in lenient mode)."""
+    validated header, and the problems found. ``hf_quant_config`` and ``manifest`` are read (guarded)
+    on first use: a corrupt one is an error of the caller that needs it."""
     root: Path
     config: dict
     index: dict | None  # the parsed index (its weight_map checked), None without one
@@ -278,7 +285,8 @@ class CheckpointDir:
         return [p for p in extra_members(self.root, self.hub, dirs) if p.resolve() not in shard_paths]
 
 
-def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = False) -> CheckpointDir:
+def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = False,
+                    require_config: bool = True) -> CheckpointDir:
     """The one reader of a checkpoint directory (every file through :func:`guard`: nothing outside
     ``root``, no FIFO): config.json, the index, every shard's validated header.
 
@@ -286,17 +294,15 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
     index naming a shard outside ``root`` or a missing one, no ``.safetensors`` file. The
     directory's consistency problems (:data:`PROBLEM_CODES`) are collected in ``problems``;
     ``strict`` (what convert requires) raises the first of :data:`FATAL_STRICT`, and also refuses
-    pickle-only and tensor-less checkpoints. Lenient (inspect, verify, staging, reload) reads
-    hf_quant_config.json and the manifest at once, as inspect always did. ``hub``: ``root`` is a
-    Hub cache snapshot, whose links may point into its blob store.
+    pickle-only and tensor-less checkpoints. ``hub``: ``root`` is a Hub cache snapshot, whose links
+    may point into its blob store. ``require_config=False`` (a directory read for some tensors only,
+    ``--input-scales-from``): no config.json needed (``config`` is then ``{}``).
     """
     root = Path(root).expanduser()
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
-    config = read_config(root, hub)
+    config = read_config(root, hub) if require_config else {}
     ck = CheckpointDir(root, config, None, [], {}, {}, hub=hub)
-    if not strict:
-        ck.hf_quant_config, ck.manifest  # noqa: B018 -- read now: a corrupt one is an error of the read
     problems = ck.problems
     index_path = root / INDEX_NAME
     on_disk = sorted(p.name for p in root.glob("*.safetensors"))
@@ -322,12 +328,12 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
         for extra in on_disk:
             if extra not in listed:
                 problems.append(Problem("unlisted-shard", f"{root / extra}: shard not listed in {INDEX_NAME}; engines will "
-                                                          "not load it — delete it or add it to the index"))
+                                                          "not load it — delete it or add it to the index", extra))
     else:
         files = on_disk
         if len(files) > 1:
             problems.append(Problem("no-index", f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; "
-                                                "add the index or keep one file"))
+                                                "add the index or keep one file", INDEX_NAME))
     if not files and (ck.index is None or not strict):  # strict: an empty index is an empty model (below)
         if strict:
             pickles = sorted(list(root.glob("*.bin")) + list(root.glob("*.pt")) + list(root.glob("*.pth")))
@@ -343,7 +349,7 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
         for name, e in h.entries.items():
             if name in ck.tensors:
                 problems.append(Problem("duplicate", f"tensor {name!r} appears in both {ck.shard_of[name]} and "
-                                                     f"{h.path.name}; the checkpoint is inconsistent: remove one copy"))
+                                                     f"{h.path.name}; the checkpoint is inconsistent: remove one copy", name))
                 continue
             ck.tensors[name] = e
             ck.shard_of[name] = h.path.name
@@ -352,18 +358,18 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
         for name, rel in sorted(wmap.items()):
             if name not in ck.tensors:
                 problems.append(Problem("index-missing-tensor", f"{index_path}: tensor {name!r} listed in {rel} but that "
-                                                                "shard does not hold it; rewrite the index or re-download"))
+                                                                "shard does not hold it; rewrite the index or re-download", name))
             elif ck.shard_of[name] != Path(rel).name:
                 problems.append(Problem("index-wrong-shard", f"{index_path}: tensor {name!r} listed in {rel} but stored "
-                                                             f"in {ck.shard_of[name]}; rewrite the index"))
+                                                             f"in {ck.shard_of[name]}; rewrite the index", name))
         for name in sorted(set(ck.tensors) - set(wmap)):
             problems.append(Problem("not-in-index", f"{index_path}: tensor {name!r} in {ck.shard_of[name]} is not in the "
-                                                    "index; rewrite the index"))
+                                                    "index; rewrite the index", name))
         meta = ck.index.get("metadata")
         total = meta.get("total_size") if isinstance(meta, dict) else None
         if total is not None and total != ck.total_bytes:
             problems.append(Problem("total-size", f"{index_path}: metadata.total_size {total} != {ck.total_bytes} "
-                                                  "bytes of tensor data; rewrite the index"))
+                                                  "bytes of tensor data; rewrite the index", INDEX_NAME))
     if strict:
         fatal = [p for p in problems if p.code in FATAL_STRICT]
         if fatal:

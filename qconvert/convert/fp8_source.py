@@ -202,3 +202,54 @@ def detect(config: dict, inventory: dict, where: str = "config.json") -> Fp8Bloc
         raise CheckpointError(f"{where}: declares FP8 block quantization but no tensor is F8_E4M3 with a "
                               f"{SCALE_SUFFIX}; restore the original config.json")
     return Fp8BlockSource(block, scales, sorted(float_weights))
+
+
+class DecodingReader:
+    """A source shard reader (``read``/``close``) that returns FP8 block-scaled weights decoded to
+    fp32 (their scales may live in other shards: ``readers`` and ``shard_of`` cover all)."""
+
+    def __init__(self, reader, readers: dict, shard_of: dict, source: Fp8BlockSource):
+        self._rd, self._all, self._shard_of, self.source = reader, readers, shard_of, source
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self._all[self._shard_of[name]]._rd.read(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        sname = self.source.scales.get(name)
+        if sname is None:
+            return self._rd.read(name)
+        return fp8_block.dequantize(self._rd.read(name), self.raw(sname), self.source.block)
+
+    def close(self):
+        self._rd.close()
+
+
+def decoding_readers(readers: dict, shard_of: dict, source: Fp8BlockSource | None) -> dict:
+    """``readers`` (shard name -> reader) as :class:`DecodingReader` s where ``source`` is an FP8
+    block-scaled checkpoint; unchanged otherwise."""
+    if source is None:
+        return readers
+    out: dict = {}
+    for k, rd in readers.items():
+        out[k] = DecodingReader(rd, out, shard_of, source)
+    return out
+
+
+def mxfp8_reference(source: Fp8BlockSource, name: str, reader: DecodingReader, q: torch.Tensor, s: torch.Tensor):
+    """The conversion's MXFP8 bytes of FP8 weight ``name``: ``q, s`` (RCEIL of the decode, patched
+    in place) with the power-of-two blocks' source bytes, as the conversion writes them."""
+    if source.lossless_mxfp8 and name in source.scales:
+        fp8_block.mxfp8_patch_lossless(q, s, reader.raw(name), reader.raw(source.scales[name]), source.block)
+
+
+def summarize(quantized: dict | None) -> str | None:
+    """One line from a manifest's ``source.quantized`` (inspect and the model card say it)."""
+    if not isinstance(quantized, dict) or quantized.get("kind") != KIND:
+        return None
+    paths = quantized.get("tensor_paths") or {}
+    count: dict[str, int] = {}
+    for v in paths.values():
+        key = "partly lossless" if str(v).startswith("lossless in ") else str(v)
+        count[key] = count.get(key, 0) + 1
+    parts = ", ".join(f"{n} {k}" for k, n in sorted(count.items(), key=lambda kv: -kv[1]))
+    return f"FP8 block-scaled (weight_block_size {quantized.get('weight_block_size')}): {parts or 'no tensors'}"

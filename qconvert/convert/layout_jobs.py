@@ -92,7 +92,7 @@ def layout_manifest(plan, layer_schemes: dict[str, str], engine: str, tp: int, e
         first = next(t for t in plan.tensors.values() if t.name.startswith(prefix + ".0.gate_proj."))
         e = len({t.name.split(".experts.")[1].split(".")[0] for t in plan.tensors.values()
                  if t.name.startswith(prefix + ".")})
-        contracts[scheme] = trtllm.layout_contract(scheme, engine, num_experts=e, intermediate_size=first.shape[0],
+        contracts[scheme] = trtllm.kernel_layout_contract(scheme, engine, num_experts=e, intermediate_size=first.shape[0],
                                                    hidden_size=first.shape[1], tp=tp, ep=ep)
     return {
         "name": trtllm.LAYOUT_NAME,

@@ -28,10 +28,7 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
                    dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
                    created: str | None = None, source=None):
     """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
-    config = dict(ckpt.config)
-    qcfg, extra = dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
-    if qcfg is not None:
-        config["quantization_config"] = qcfg
+    config, extra = output_config(ckpt.config, plan, scheme, dialect, opts)
     _write_json(tmp / "config.json", config)
     for fname, obj in extra.items():
         _write_json(tmp / fname, obj)
@@ -54,14 +51,6 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
     if opts.layout:
         from .layout_jobs import layout_manifest
         layout = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
-    tensors = {}
-    for name, tp in plan.tensors.items():
-        if tp.module is None:
-            continue
-        tensors[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16",
-                              "shape": list(tp.shape), "reason": tp.reason}
-        if source is not None and tp.module in source.paths:
-            tensors[tp.module]["source_path"] = source.paths[tp.module]
     manifest = _manifest.build(
         version=__version__, created=created or _resume.created_timestamp(), scheme=scheme, dialect=dialect,
         source={"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
@@ -73,8 +62,35 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
         non_finite_allowed=opts.allow_non_finite, bf16_layers=plan.bf16_layers, exclusions=plan.exclusions,
         output_sha=output_sha, output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",
-        recipe=opts.recipe, global_div=int(global_div(opts.recipe)) if scheme == "nvfp4" else None,
-        input_mode=opts.input_mode, input_scales_from=opts.input_scales_from,
-        layout=layout, tensors=tensors)
+        scheme_keys=scheme_keys(scheme, dialect, opts), layout=layout, tensors=module_formats(plan, scheme, source))
     _write_json(tmp / MANIFEST_NAME, manifest)
 
+
+def scheme_keys(scheme: str, dialect: str, opts: ConvertOptions) -> dict:
+    """The manifest's keys that say how the scheme was applied (recipe, scale rule, activations)."""
+    return _manifest.scheme_keys(scheme, dialect, recipe=opts.recipe,
+                                 global_div=int(global_div(opts.recipe)) if scheme == "nvfp4" else None,
+                                 input_mode=opts.input_mode, input_scales_from=opts.input_scales_from)
+
+
+def module_formats(plan: Plan, scheme: str, source=None) -> dict:
+    """The manifest's ``tensors``: each module's format, shape and the plan's reason."""
+    out = {}
+    for name, tp in plan.tensors.items():
+        if tp.module is None:
+            continue
+        out[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16", "shape": list(tp.shape),
+                          "reason": tp.reason}
+        if source is not None and tp.module in source.paths:
+            out[tp.module]["source_path"] = source.paths[tp.module]
+    return out
+
+
+def output_config(config: dict, plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> tuple[dict, dict]:
+    """(config.json of the output: the source's with the dialect's ``quantization_config``, the
+    dialect's extra files {name: JSON object})."""
+    config = dict(config)
+    qcfg, extra = dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
+    if qcfg is not None:
+        config["quantization_config"] = qcfg
+    return config, extra

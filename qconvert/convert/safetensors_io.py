@@ -414,6 +414,41 @@ def sha256_file(path: str | os.PathLike, cancel: threading.Event | None = None) 
     return h.hexdigest()
 
 
+def xxh3_128_hex(buf) -> str:
+    """xxh3_128 of a buffer (bytes, memoryview, mmap) as 32 lower-case hex digits; xxhash releases
+    the GIL, so threads hash side by side (docs/reload.md#staging-area-format)."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
+def xxh3_128_file(path: str | os.PathLike) -> str:
+    """xxh3_128 of a whole file, through a read-only mapping (no copy)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return xxh3_128_hex(b"")
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return xxh3_128_hex(view)
+            finally:
+                view.release()
+
+
+def digest_files(paths: list, kind: str, threads: int | None = None) -> dict[str, str]:
+    """``{str(path): hex}`` of whole files, ``kind`` "xxh3_128" (files hashed in parallel threads)
+    or "sha256"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fn = {"xxh3_128": xxh3_128_file, "sha256": sha256_file}[kind]
+    if not paths:
+        return {}
+    n = max(1, min(len(paths), threads or (os.cpu_count() or 1)))
+    with ThreadPoolExecutor(n, thread_name_prefix="qconvert-digest") as pool:
+        return dict(zip((str(p) for p in paths), pool.map(fn, paths)))
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:

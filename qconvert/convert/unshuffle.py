@@ -20,22 +20,19 @@ from ..formats.manifest import LAYOUT_KEY, MANIFEST_NAME, layout_section
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
-from .safetensors_io import ShardReader, ShardWriter, read_header, sha256_file
+from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
-    from .checkpoint import guard, read_member_json
+    from .checkpoint import guard, open_checkpoint
     from .destination import check_dst as _check_dst, install as _install
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
     _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it
-    man_path = src / MANIFEST_NAME
-    try:
-        if not os.path.lexists(man_path):
-            raise FileNotFoundError
-        manifest = read_member_json(src, man_path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{man_path}: missing; unshuffle needs a checkpoint written by qconvert --layout") from None
+    ck = open_checkpoint(src, strict=False)  # guarded: config, index, shard headers
+    manifest = ck.manifest
+    if manifest is None:
+        raise CheckpointError(f"{src / MANIFEST_NAME}: missing; unshuffle needs a checkpoint written by qconvert --layout")
     layout = layout_section(manifest)
     if not layout:
         raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its {MANIFEST_NAME} has no layout section)")
@@ -61,8 +58,8 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     weight_map: dict[str, str] = {}
     total = 0
     try:
-        for f in sorted(src.glob("*.safetensors")):
-            h = read_header(guard(src, f))
+        for h in ck.shards:
+            f = h.path
             tensors: dict[str, torch.Tensor] = {}
             with ShardReader(h, hash_file=False) as r:
                 for e, t in r.iter_tensors():

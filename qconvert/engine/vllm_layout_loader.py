@@ -9,7 +9,7 @@ loads such a checkpoint into a *running* vLLM worker:
 
 1. **Check everything first** (:func:`plan_preshuffled_load`, nothing is written): the manifest
    (``qconvert.json`` key ``layout``) names engine ``vllm``; each scheme's contract equals what
-   this qconvert writes (:func:`~qconvert.convert.layouts.trtllm.check_layout_contract`) and
+   this qconvert writes (:func:`~qconvert.convert.layouts.trtllm.check_kernel_layout_contract`) and
    names the FlashInfer version installed in the worker; for every MoE layer of the manifest,
    the live module exists, its MoE TP/EP sizes equal the manifest's, its experts are placed
    contiguously per EP rank, its quant method runs the FlashInfer TRT-LLM backend with the
@@ -47,7 +47,6 @@ by ``g1_alphas``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -84,14 +83,12 @@ def _refuse(where: str, what: str) -> PreshuffledLoadError:
 
 def read_layout(ckpt: str | Path) -> dict | None:
     """The ``layout`` section of the checkpoint's ``qconvert.json``, or None (no layout)."""
-    p = Path(ckpt) / MANIFEST
+    from qconvert.convert.checkpoint import read_manifest
+
     try:
-        man = json.loads(p.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise PreshuffledLoadError(f"{p}: unreadable qconvert manifest ({e})") from None
-    return layout_section(man)
+        return layout_section(read_manifest(ckpt))
+    except QConvertError as e:  # corrupt, a link out of the checkpoint, a FIFO
+        raise PreshuffledLoadError(f"unreadable qconvert manifest: {e}") from None
 
 
 def has_layout(ckpt: str | Path) -> bool:
@@ -101,17 +98,13 @@ def has_layout(ckpt: str | Path) -> bool:
 def _checkpoint_entries(ckpt: Path) -> dict[str, object]:
     """name -> TensorEntry (with ``.header`` shard) over every shard; headers validated (sizes,
     truncation) by qconvert's reader."""
-    from qconvert.convert.safetensors_io import read_header
-    from qconvert.client.staging import shard_files
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    out: dict[str, object] = {}
-    for shard in shard_files(ckpt):
-        h = read_header(shard)
-        for name, e in h.entries.items():
-            if name in out:
-                raise _refuse(str(ckpt), f"tensor {name} appears in two shards")
-            out[name] = (h, e)
-    return out
+    ck = open_checkpoint(ckpt, strict=False)
+    dup = next((p for p in ck.problems if p.code == "duplicate"), None)
+    if dup is not None:
+        raise _refuse(str(ckpt), f"tensor {dup.subject} appears in two shards")
+    return {name: (h, e) for h in ck.shards for name, e in h.entries.items()}
 
 
 # ------------------------------------------------------------------------------- engine side
@@ -272,10 +265,10 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
         if c.get("engine") != ENGINE:
             raise _refuse(where, f"engine {c.get('engine')!r}, this is vllm")
         try:
-            expected = trtllm.layout_contract(scheme, ENGINE, num_experts=c["num_experts"],
+            expected = trtllm.kernel_layout_contract(scheme, ENGINE, num_experts=c["num_experts"],
                                               intermediate_size=c["intermediate_size"],
                                               hidden_size=c["hidden_size"], tp=c["tp"], ep=c["ep"])
-            trtllm.check_layout_contract(c, expected, where)
+            trtllm.check_kernel_layout_contract(c, expected, where)
         except (KeyError, TypeError) as e:
             raise _refuse(where, f"incomplete contract ({e})") from None
         except trtllm.LayoutError as e:

@@ -20,14 +20,34 @@ VERSION_KEY = "qconvert_version"
 LAYOUT_KEY = "layout"
 
 
+def scheme_keys(scheme: str, dialect: str, *, recipe: str | None = None, global_div: int | None = None,
+                input_mode: str | None = None, input_scales_from=None) -> dict:
+    """The manifest's keys that say how the scheme was applied (recipe, scale rule, activations).
+    ``global_div``: NVFP4's global-scale numerator for the recipe (``scale_2 = amax / global_div``,
+    numerics.nvfp4.global_div)."""
+    out: dict = {}
+    if scheme == MXFP8:
+        out["recipe"] = MXFP8_RECIPE
+        out["scale_rule"] = MXFP8_SCALE_RULE
+        out["zero_block_scale_byte"] = MXFP8_ZERO_BLOCK_SCALE_BYTE
+        out["zero_block_policy"] = MXFP8_ZERO_POLICY
+    if scheme == NVFP4:
+        out["recipe"] = recipe
+        out["scale_rule"] = NVFP4_SCALE_RULE[recipe]
+        out["global_scale"] = (f"{WEIGHT_SCALE_2} = group amax / {global_div} (decode)" if dialect == "modelopt"
+                               else f"{WEIGHT_GLOBAL_SCALE} = {global_div} / group amax (encode)")
+        out["fused_groups_share_global_scale"] = list(NVFP4_SHARED_GLOBAL_SCALE)
+        out["activations"] = NVFP4_ACTIVATIONS_TEXT[input_mode].format(source=input_scales_from)
+    return out
+
+
 def build(*, version: str, created: str, scheme: str, dialect: str, source: dict, options: dict,
           non_finite_allowed: bool, bf16_layers: list, exclusions: list, output_sha: dict, output_note: str | None,
-          recipe: str | None, global_div: int | None, input_mode: str | None, input_scales_from, layout: dict | None,
-          tensors: dict) -> dict:
+          scheme_keys: dict, layout: dict | None, tensors: dict) -> dict:
     """The manifest of a conversion, key order as written. ``source`` is the ``source`` section
-    (id, revision, architecture, sha256[, sha256_note]); ``tensors`` maps module -> {format, shape,
-    reason}; ``layout`` is the layout section or None; ``global_div`` is NVFP4's global-scale numerator
-    for the recipe (``scale_2 = amax / global_div``: numerics.nvfp4.global_div)."""
+    (id, revision, architecture, sha256[, sha256_note][, quantized]); ``scheme_keys`` is
+    :func:`scheme_keys`' result; ``layout`` is the layout section or None; ``tensors`` maps module ->
+    {format, shape, reason[, source_path]}."""
     manifest = {
         VERSION_KEY: version,
         "created": created,
@@ -43,18 +63,7 @@ def build(*, version: str, created: str, scheme: str, dialect: str, source: dict
                     **({} if output_note is None else {"sha256_note": output_note})},
         "tensors": {},
     }
-    if scheme == MXFP8:
-        manifest["recipe"] = MXFP8_RECIPE
-        manifest["scale_rule"] = MXFP8_SCALE_RULE
-        manifest["zero_block_scale_byte"] = MXFP8_ZERO_BLOCK_SCALE_BYTE
-        manifest["zero_block_policy"] = MXFP8_ZERO_POLICY
-    if scheme == NVFP4:
-        manifest["recipe"] = recipe
-        manifest["scale_rule"] = NVFP4_SCALE_RULE[recipe]
-        manifest["global_scale"] = (f"{WEIGHT_SCALE_2} = group amax / {global_div} (decode)" if dialect == "modelopt"
-                                    else f"{WEIGHT_GLOBAL_SCALE} = {global_div} / group amax (encode)")
-        manifest["fused_groups_share_global_scale"] = list(NVFP4_SHARED_GLOBAL_SCALE)
-        manifest["activations"] = NVFP4_ACTIVATIONS_TEXT[input_mode].format(source=input_scales_from)
+    manifest.update(scheme_keys)
     if layout is not None:
         manifest[LAYOUT_KEY] = layout
     manifest["tensors"] = tensors

@@ -35,7 +35,8 @@ from qconvert.errors import QConvertError
 
 ROOT_ENV = "QCONVERT_SHM_ROOT"
 DEFAULT_ROOT = "/dev/shm/qconvert"
-ALIGN = 256  # every tensor's data starts at a file offset that is a multiple of this
+ALIGN = 256  # tensor data starts at a file offset that is a multiple of this (tensors under ALIGN bytes:
+#              of their element size, packed at the end of a file; docs/reload.md#staging-area-format)
 
 FORMAT_V1 = "qconvert-staging/1"
 MANIFEST_V1 = "qconvert-staging.json"  # v1: whole area written once, renamed into place
@@ -276,7 +277,7 @@ def _parse_files(raw, tp: int, ep: int, where: str, v2: bool) -> tuple[FileSpec,
             shape = tuple(_int(s, where, f"tensor {tname} shape") for s in shape)
             off = _int(t.get("offset"), where, f"tensor {tname} offset")
             spec = TensorSpec(t["dtype"], shape, off)
-            if off % ALIGN:
+            if off % ALIGN and not (spec.nbytes < ALIGN and off % DTYPE_SIZES[spec.dtype] == 0):
                 raise _bad(where, f"tensor {tname} starts at {off}, not a multiple of {ALIGN}")
             if off + spec.nbytes > size:
                 raise _bad(where, f"tensor {tname} ends at {off + spec.nbytes}, past its file's {size} bytes")

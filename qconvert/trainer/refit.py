@@ -1,155 +1,651 @@
-"""Trainer-side refit: quantize live BF16 weights exactly like the converter, stage them in shared
-memory layer by layer, and reload them into running servers.
+"""Trainer-side refit: quantize live BF16 weights exactly like the converter, write them into a
+persistent shared-memory staging area, commit, and reload them into running servers.
 
-    from qconvert.trainer.refit import refit
-    refit(model.named_parameters(), reference="/ckpt/Qwen3-30B-A3B",          # the BF16 source
-          urls=["http://gen-0:8000", "http://gen-1:8000"], engine="vllm",
-          options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=8)),
-          stage_name="policy", weight_version=f"step-{step}")
+    from qconvert.refit import Refitter
+    from qconvert.convert.pipeline import ConvertOptions
+
+    refitter = Refitter("/ckpt/Qwen3-30B-A3B",                       # the BF16 reference (config, names)
+                        ConvertOptions(scheme="mxfp8", device="cuda"),
+                        name="policy", urls=["http://gen-0:8000"], engine="vllm")
+    for step in range(steps):
+        train_step()
+        refitter.refit(model.named_parameters())                     # stage + commit + reload
+    refitter.close()
 
 * **Same plan, names and scales as the converter.** The plan is built by the converter's own
-  ``build_plan`` from the reference checkpoint's tensor inventory (names, dtypes, shapes; only
-  headers are read) and ``config.json``, and every output tensor is produced by the converter's own
-  job functions (``jobs.build_jobs``: same exclusions, same fused-group global scales for
-  NVFP4, same dialect names); ``config.json`` gets the converter's ``quantization_config``. So the
-  staged bytes equal ``qconvert`` converting the same weights from disk (tested).
-* **Layer by layer.** Tensors are buffered per decoder layer; when every tensor of a layer has
-  arrived its jobs run and the whole layer is written as one staging group (vLLM's layerwise
-  reload processes a layer only when all of its tensors are loaded). Peak memory: the layers in
-  flight (one, when the trainer yields in layer order).
-* **CPU or CUDA**: tensors are quantized on the device they arrive on when ``options.device`` is
-  ``"cuda"``; outputs are copied to host memory for staging.
-* Not supported here: pre-shuffled layouts (``options.layout``), and NVFP4 ``input_mode="copied"``
-  needs ``input_scales_from`` like the converter.
+  ``build_plan`` from the reference checkpoint's tensor inventory (headers only) and
+  ``config.json``, and every output is produced by the converter's own jobs (``jobs.build_jobs``,
+  including ``moe_layer_job`` for ``layout="flashinfer-trtllm"``), so the staged bytes equal
+  ``qconvert`` converting the same weights from disk (tested tensor by tensor).
+* **A persistent two-slot area** (docs/reload.md#staging-area-format): its files are laid out from
+  the output inventory (known before any byte), created by the first refit, mapped once (and on
+  CUDA registered with ``cudaHostRegister``) and overwritten in place: a refit writes the slot that
+  is not committed and ``commit()`` flips ``commit.json``. A later refit whose outputs do not match
+  ``area.json`` is refused with one line naming the tensor.
+* **Layer by layer.** Tensors are buffered per layer group; when a group is complete its jobs run
+  and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
+  overlapped with the next group's quantization, at most two groups of output alive; on CPU,
+  written into the mapping directly. No per-tensor ``.cpu()``, no sha256: each file's xxh3_128 is
+  computed by a thread pool as soon as its group is written.
+* **Sharded trainers** (docs/reload.md#sharded-trainers): every trainer rank constructs a
+  ``Refitter`` with its ``rank``/``world_size`` and calls ``stage()`` with the whole HF tensors of
+  the layers it owns, then ``commit()``; rank 0's ``commit()`` waits for every rank's report (a
+  file in the slot) and makes the version visible. A rank that never reports, a tensor staged by
+  two ranks or by none: one line, nothing committed, the previous version untouched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from qconvert.errors import QConvertError
-from qconvert.formats.manifest import MANIFEST_NAME
 from qconvert.client import staging
+from qconvert.errors import QConvertError
+from qconvert.formats import staging as fs
+
+_RANK_TAG = re.compile(r"\.(trtllm(?:_tp\d+_ep\d+)?)\.")
+
+
+class RefitError(QConvertError):
+    """A refit was refused: bad tensors, an area of another model, a rank that never reported."""
+
+
+@dataclass
+class Staged:
+    """A committed version of a staging area."""
+    root: Path  # the area (area.json, config.json, ...)
+    path: Path  # the committed slot directory (the safetensors files)
+    version: int
+    slot: int
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.root.name
 
 
 @dataclass
 class RefitResult:
-    area: staging.StagingArea
+    area: Staged | None  # None on a trainer rank other than 0 (rank 0 commits)
     reload: list = field(default_factory=list)
     tensors_in: int = 0
     tensors_out: int = 0
+    seconds: dict = field(default_factory=dict)  # stage, commit, reload
 
 
 def reference_inventory(reference: str | os.PathLike) -> tuple[dict, dict[str, tuple[str, tuple]]]:
     """(config, {name: (dtype tag, shape)}) of a BF16 source checkpoint, from headers only."""
-    from qconvert.convert.safetensors_io import read_header
+    from qconvert.convert.checkpoint import open_checkpoint
 
-    root = Path(reference)
-    config = staging.read_config(root)  # guarded, as every checkpoint read
-    inv = {}
-    for shard in staging.shard_files(root):
-        for e in read_header(shard).entries.values():
-            inv[e.name] = (e.dtype, tuple(e.shape))
-    return config, inv
+    ck = open_checkpoint(reference, strict=False)  # guarded, as every checkpoint read
+    return ck.config, {e.name: (e.dtype, tuple(e.shape)) for h in ck.shards for e in h.entries.values()}
 
 
-def _quant_config(scheme: str, plan, dialect: str, opts) -> tuple[dict | None, dict]:
-    from qconvert.formats import dialects
+def _reference_files(reference: Path, skip: set[str]) -> dict[str, bytes]:
+    from qconvert.convert.checkpoint import read_member
 
-    return dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
+    out = {}
+    for p in sorted(reference.iterdir()):
+        if (p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and not p.name.startswith(".")
+                and p.name not in skip and fs._EXTRA_RE.match(p.name)):
+            out[p.name] = read_member(reference, p)  # guarded, as every checkpoint read
+    return out
+
+
+class _Copier:
+    """Puts each group's outputs into the slot mapping. CUDA: device-to-host on a copy stream after
+    the group's quantization, the previous group's copies awaited before the next group's are issued
+    (two groups of output alive at most); then the group's files go to the digest pool."""
+
+    def __init__(self, cuda: bool, on_done):
+        self.cuda = cuda
+        self.on_done = on_done  # called with the group's file names once its bytes are in place
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.pending: list[tuple] = []
+
+    def put(self, dsts: list[tuple[torch.Tensor, torch.Tensor]], files: list[str]) -> None:
+        host = [(d, s) for d, s in dsts if s.device.type == "cpu"]
+        dev = [(d, s) for d, s in dsts if s.device.type != "cpu"]
+        for d, s in host:
+            d.copy_(s)
+        if not dev:
+            self._retire_all()
+            self.on_done(files)
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for d, s in dev:
+                d.copy_(s, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.pending.append((done, dev, files))
+        while len(self.pending) > 1:
+            self._retire()
+
+    def _retire(self) -> None:
+        done, dev, files = self.pending.pop(0)
+        done.synchronize()
+        del dev
+        self.on_done(files)
+
+    def _retire_all(self) -> None:
+        while self.pending:
+            self._retire()
+
+    def finish(self) -> None:
+        self._retire_all()
+
+    def drop(self) -> None:
+        """After an error: wait for copies in flight (they write into memory we own), forget them."""
+        for done, *_ in self.pending:
+            done.synchronize()
+        self.pending.clear()
+
+
+class Refitter:
+    """A persistent staging area fed from live weights (see the module docstring).
+
+    ``reference``: the BF16 checkpoint directory the weights come from (config.json, tensor names,
+    dtypes and shapes; headers only). ``options``: the :class:`ConvertOptions` of the served
+    checkpoint (scheme, dialect, plan, ``device``, and for a pre-shuffled server ``layout``,
+    ``engine``, ``tp``, ``ep``). ``name``: the staging area (under ``$QCONVERT_SHM_ROOT`` or
+    ``/dev/shm/qconvert``, or ``root``). ``urls``/``engine``: the servers :meth:`reload` reloads.
+    ``rank``/``world_size``: this trainer rank, for a sharded trainer.
+    """
+
+    _BATCHED: bool | None = None  # batched checks and copies: None = on CUDA (tests set True on CPU)
+
+    def __init__(self, reference: str | os.PathLike, options=None, name: str = "refit", urls: Iterable[str] = (),
+                 engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
+                 lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
+                 pause: str | None = None, verify: bool = False, hash_threads: int | None = None):
+        from qconvert.formats import dialects
+        from qconvert.formats.manifest import LAYOUT_KEY, MANIFEST_NAME, VERSION_KEY
+        from qconvert.convert import jobs as jobs_mod
+        from qconvert.convert.jobs import build_jobs
+        from qconvert.convert.metadata import module_formats, output_config, scheme_keys
+        from qconvert.convert.options import ConvertOptions
+        from qconvert.convert.plan import build_plan
+        from qconvert import __version__
+
+        opts = options or ConvertOptions()
+        fs.check_name(name)
+        if engine not in ("vllm", "sglang"):
+            raise RefitError(f"engine {engine!r}: use vllm or sglang")
+        if opts.layout and opts.engine != engine:
+            raise RefitError(f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
+                             f"engine {engine!r}; pre-shuffle for the engine that serves")
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+            raise RefitError(f"rank {rank!r} / world_size {world_size!r}: need 0 <= rank < world_size")
+        if opts.device != "cpu" and not torch.cuda.is_available():
+            raise RefitError(f"options.device {opts.device!r}: CUDA is not available here; use device='cpu'")
+        self.reference = Path(reference)
+        self.options, self.name, self.urls, self.engine = opts, name, list(urls), engine
+        self.rank, self.world_size = rank, world_size
+        self.root = Path(root) if root is not None else fs.staging_root()
+        self.area = self.root / name
+        self.lock_wait_s, self.rendezvous_timeout_s = lock_wait_s, rendezvous_timeout_s
+        self.api_key, self.pause, self.verify = api_key, pause, verify
+        self._dev = torch.device(opts.device)
+
+        from qconvert.convert import fused
+
+        config, inv = reference_inventory(self.reference)
+        inv, self._views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
+        self._config, self._inv = config, inv
+        plan = build_plan(inv, config, opts.plan)
+        scheme = opts.scheme
+        dialect = dialects.resolve_dialect(scheme, opts.dialect)
+        # On CUDA the jobs' own NaN/Inf checks cost a host sync per tensor (hundreds per MoE layer):
+        # the jobs run unchecked and one batched check per layer group refuses the same inputs.
+        self._batched = self._dev.type == "cuda" if self._BATCHED is None else self._BATCHED
+        self._check_group = self._batched and not opts.allow_non_finite
+        built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
+
+        jobs_list = built.jobs
+        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape MXFP8 tensors in one launch
+            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, not (opts.allow_non_finite or self._check_group))
+        # layer groups: which jobs each needs, and which source tensors complete it
+        group_jobs: dict[tuple, list] = {}
+        for j in jobs_list:
+            keys = {staging.group_key(o.name) for o in j.outputs}
+            if len(keys) != 1:
+                raise RefitError(f"a converter job spans several layers ({sorted(keys)}); cannot stage it per layer")
+            group_jobs.setdefault(keys.pop(), []).append(j)
+        self._keys = sorted(group_jobs)
+        self._gidx = {k: i for i, k in enumerate(self._keys)}
+        self._group_jobs = group_jobs
+        self._need = {k: frozenset(s for j in js for s in j.sources) for k, js in group_jobs.items()}
+        self._group_of_source = {s: k for k, srcs in self._need.items() for s in srcs}
+
+        # the area's files, from the output inventory
+        tp, ep = (opts.tp, opts.ep) if opts.layout else (1, 1)
+        by_file: dict[tuple, list] = {}
+        outputs = []
+        for k in self._keys:
+            for j in group_jobs[k]:
+                for o in j.outputs:
+                    m = _RANK_TAG.search(o.name) if opts.layout else None
+                    rank_of = None
+                    if m is not None and (tp, ep) != (1, 1):
+                        from qconvert.convert.layout_jobs import parse_rank_tag
+                        rank_of = parse_rank_tag(m.group(1))
+                    tag = staging.dtype_tag(o.dtype)
+                    by_file.setdefault((self._gidx[k], rank_of), []).append((o.name, tag, tuple(o.shape)))
+                    outputs.append((o.name, tag, tuple(o.shape)))
+        files, headers = [], {}
+        for (g, r) in sorted(by_file, key=lambda x: (x[0], x[1] is not None, x[1] or (0, 0))):
+            for f, head in staging.pack_v2(g, r, by_file[(g, r)]):
+                files.append(f)
+                headers[f.name] = head
+        self._files_of_group: dict[int, list[fs.FileSpec]] = {}
+        for f in files:
+            self._files_of_group.setdefault(int(fs.FILE_RE.match(f.name).group("group")), []).append(f)
+        self._file_of_tensor = {n: f for f in files for n in f.tensors}
+
+        out_config, extra = output_config(config, plan, scheme, dialect, opts)
+        layout = None
+        extra_files = {fname: (json.dumps(obj, indent=2) + "\n").encode() for fname, obj in extra.items()}
+        extra_files["config.json"] = (json.dumps(out_config, indent=2) + "\n").encode()
+        manifest = {VERSION_KEY: __version__, "scheme": scheme, "dialect": dialect,
+                    "engines": dialects.engines_for(scheme, dialect),
+                    "source": {"id": str(self.reference.resolve()), "architecture": plan.arch_name, "refit": True},
+                    "exclusions": plan.exclusions, **scheme_keys(scheme, dialect, opts)}
+        if opts.layout:
+            from qconvert.convert.layout_jobs import layout_manifest
+            layout = manifest[LAYOUT_KEY] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
+        manifest["tensors"] = module_formats(plan, scheme)
+        extra_files[MANIFEST_NAME] = (json.dumps(manifest, indent=2) + "\n").encode()
+        for fname, data in _reference_files(self.reference, set(extra_files) | {staging.INDEX}).items():
+            extra_files.setdefault(fname, data)
+        contract = staging.layout_contract(out_config, outputs, layout)
+        self.spec = fs.AreaSpec(contract, fs.DIGEST_XXH3, tp, ep, tuple(files), tuple(sorted(extra_files)))
+        self._open_area(headers, extra_files)
+
+        self._maps = staging.SlotMaps(self.area, self.spec, cuda=self._dev.type == "cuda")
+        self._pool = ThreadPoolExecutor(hash_threads or min(16, os.cpu_count() or 1),
+                                        thread_name_prefix="qconvert-refit-digest")
+        self._copier = _Copier(self._dev.type == "cuda", self._hash_files)
+        self._lock: fs.SlotLock | None = None
+        self._reported = 0  # last version this rank reported (sharded) or committed
+        self._reset_version()
+        self._closed = False
+
+    # ------------------------------------------------------------------ area
+
+    def _open_area(self, headers: dict[str, bytes], extra: dict[str, bytes]) -> None:
+        if os.path.lexists(self.area / fs.AREA_JSON):
+            self._check_existing()
+            if self.rank == 0 and self.world_size > 1:  # a new run: reports of an earlier one do not stand
+                for k in fs.SLOTS:
+                    for r in range(self.world_size):
+                        _unlink(fs.slot_dir(self.area, k) / f".rank-{r}.json")
+            return
+        if self.rank == 0:
+            if os.path.lexists(self.area):
+                raise RefitError(f"{self.area}: exists but is not a refit staging area (no {fs.AREA_JSON}); "
+                                 f"drop it with `qconvert stage drop {self.name}` or choose another name")
+            staging.create_area_v2(self.name, self.spec, headers, extra, root=self.root)
+            return
+        deadline = time.monotonic() + self.rendezvous_timeout_s
+        while not os.path.lexists(self.area / fs.AREA_JSON):  # rank 0 creates it
+            if time.monotonic() > deadline:
+                raise RefitError(f"staging area {self.area}: trainer rank 0 did not create it within "
+                                 f"{self.rendezvous_timeout_s:g} s; start a Refitter on rank 0")
+            time.sleep(0.05)
+        self._check_existing()
+
+    def _check_existing(self) -> None:
+        have = fs.read_area_spec(self.area)
+        why = have.mismatch(self.spec)
+        if why:
+            raise RefitError(f"staging area {self.area} was created for other weights or options: {why}; "
+                             f"drop it (`qconvert stage drop {self.name}`) or refit into another name")
+
+    # ------------------------------------------------------------------ one version
+
+    def _reset_version(self) -> None:
+        self._version: int | None = None
+        self._slot: int | None = None
+        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._written: set[tuple] = set()
+        self._digests: dict[str, Future] = {}
+        self._n_in = self._n_out = 0
+
+    def _begin(self) -> None:
+        """First stage() of a version: find the slot, drain its readers (its lock)."""
+        if self._version is not None:
+            return
+        deadline = time.monotonic() + self.rendezvous_timeout_s
+        while True:
+            commit = fs.read_commit(self.area, self.spec)
+            have = commit.version if commit else 0
+            if have >= self._reported:
+                break
+            if time.monotonic() > deadline:  # rank 0 has not committed what this rank reported
+                raise RefitError(f"staging area {self.area}: version {self._reported} staged by trainer rank "
+                                 f"{self.rank} was never committed by rank 0 within {self.rendezvous_timeout_s:g} s")
+            time.sleep(0.02)
+        slot = fs.next_slot(commit)
+        if self.world_size > 1:  # a report of this rank from before a crash no longer stands
+            _unlink(fs.slot_dir(self.area, slot) / f".rank-{self.rank}.json")
+        lock = fs.SlotLock(self.area, slot, shared=False, wait_s=self.lock_wait_s)
+        if self.world_size > 1:
+            lock.release()  # drained: readers re-check commit.json under their lock (docs/reload.md#sharded-trainers)
+        else:
+            self._lock = lock
+        self._version, self._slot = have + 1, slot
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Quantize and write ``named_tensors`` (Hugging Face names; this rank's layers, whole
+        tensors) into the slot being written. May be called several times before :meth:`commit`.
+        Returns the version being staged. On error nothing is committed and the version restarts."""
+        self._check_open()
+        try:
+            self._begin()
+            from qconvert.convert import fused
+
+            # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
+            for name, t in fused.split_stream(named_tensors, self._config, self._views):
+                self._take(name, t)
+            self._copier.finish()
+        except BaseException:
+            self._abort()
+            raise
+        return self._version
+
+    def _take(self, name: str, t) -> None:
+        key = self._group_of_source.get(name)
+        if key is None:
+            raise RefitError(f"refit: tensor {name!r} is not in the reference checkpoint {self.reference}; "
+                             "the trainer's names must be the Hugging Face names")
+        if not isinstance(t, torch.Tensor):
+            raise RefitError(f"refit: {name} is a {type(t).__name__}, not a torch.Tensor")
+        want_dtype, want_shape = self._inv[name]
+        if tuple(t.shape) != want_shape or staging._TORCH_TO_TAG.get(t.dtype) != want_dtype:
+            raise RefitError(f"refit: {name} is {t.dtype} {list(t.shape)}, the reference has "
+                             f"{want_dtype} {list(want_shape)}")
+        buf = self._buffers.setdefault(key, {})
+        if name in buf or key in self._written:
+            raise RefitError(f"refit: tensor {name!r} given twice in one version")
+        t = t.detach()
+        if t.device.type != self._dev.type:
+            t = t.to(self._dev)
+        buf[name] = t
+        self._n_in += 1
+        if len(buf) == len(self._need[key]):
+            self._write_group(key)
+
+    def _write_group(self, key: tuple) -> None:
+        src = self._buffers.pop(key)
+        g = self._gidx[key]
+        if self._check_group:
+            _check_finite_batched(src)
+        outs: dict[str, torch.Tensor] = {}
+        res = None
+        for j in self._group_jobs[key]:
+            res = j.fn({s: src[s] for s in j.sources})
+            for o in j.outputs:
+                t = res[o.name]
+                if tuple(t.shape) != tuple(o.shape) or t.dtype != o.dtype:
+                    raise RefitError(f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected "
+                                     f"{o.dtype} {list(o.shape)}")
+                outs[o.name] = t
+        del src, res
+        dsts = []
+        files = self._files_of_group[g]
+        for f in files:
+            whole = self._maps.tensor(self._slot, f.name)
+            # the file's tensors lie back to back: each run of neighbours on one device is one copy
+            run: list = []
+            for n, spec in sorted(f.tensors.items(), key=lambda x: x[1].offset):
+                t = outs[n]
+                flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+                if run and (not self._batched or run[-1][2].device != flat.device):
+                    dsts.append(_run_copy(whole, run))
+                    run = []
+                run.append((spec.offset, spec.nbytes, flat))
+            if run:
+                dsts.append(_run_copy(whole, run))
+        self._n_out += len(outs)
+        self._written.add(key)
+        self._copier.put(dsts, [f.name for f in files])
+
+    def _hash_files(self, names: list[str]) -> None:
+        slot = self._slot
+        for n in names:
+            mm = self._maps.buffer(slot, n)
+            self._digests[n] = self._pool.submit(_digest_mapping, mm)
+
+    def _abort(self) -> None:
+        self._copier.drop()
+        for f in self._digests.values():
+            f.cancel()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        self._reset_version()
+
+    def _missing(self, keys) -> str:
+        names = sorted(s for k in keys for s in self._need[k] - self._buffers.get(k, {}).keys())
+        return f"{len(names)} tensors never arrived (e.g. {names[:3]})"
+
+    def commit(self) -> Staged | None:
+        """Make the staged version visible (rank 0; other ranks report theirs and return None)."""
+        self._check_open()
+        if self._version is None:
+            raise RefitError("refit: nothing staged since the last commit; call stage() first")
+        try:
+            partial = [k for k in self._buffers if self._buffers[k]]
+            if partial:
+                raise RefitError(f"refit: trainer rank {self.rank}: {self._missing(partial)}; a rank sends every "
+                                 "tensor of the layers it owns" if self.world_size > 1 else
+                                 f"refit: {self._missing(partial)}; send every tensor of the model")
+            if self.world_size == 1 and len(self._written) != len(self._keys):
+                raise RefitError(f"refit: {self._missing(set(self._keys) - self._written)}; send every tensor of "
+                                 "the model")
+            digests = {n: f.result() for n, f in self._digests.items()}
+            groups = sorted(self._gidx[k] for k in self._written)
+            if self.world_size > 1:
+                report = fs.slot_dir(self.area, self._slot) / f".rank-{self.rank}.json"
+                fs.write_json_atomic(report, {"version": self._version, "groups": groups, "digests": digests})
+                if self.rank != 0:
+                    self._reported = self._version
+                    self._reset_version()
+                    return None
+                digests = self._gather(groups, digests)
+            commit = fs.Commit(self._slot, self._version, digests, time.time())
+            fs.write_json_atomic(self.area / fs.COMMIT_JSON, commit.to_json())
+            if self.world_size > 1:
+                for r in range(self.world_size):
+                    _unlink(fs.slot_dir(self.area, self._slot) / f".rank-{r}.json")
+        except BaseException:
+            self._abort()
+            raise
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        staged = Staged(self.area, fs.slot_dir(self.area, commit.slot), commit.version, commit.slot,
+                        sum(f.size for f in self.spec.files))
+        self._reported = commit.version
+        self._reset_version()
+        return staged
+
+    def _gather(self, own_groups: list[int], own: dict[str, str]) -> dict[str, str]:
+        """Rank 0: every rank's report for this version, checked: each group staged by exactly one rank."""
+        deadline = time.monotonic() + self.rendezvous_timeout_s
+        reports = {0: {"groups": own_groups, "digests": own}}
+        d = fs.slot_dir(self.area, self._slot)
+        while len(reports) < self.world_size:
+            for r in range(1, self.world_size):
+                if r in reports or not os.path.lexists(d / f".rank-{r}.json"):
+                    continue
+                rep = fs.read_json(d / f".rank-{r}.json")
+                if isinstance(rep, dict) and rep.get("version") == self._version:
+                    reports[r] = rep
+            if len(reports) < self.world_size:
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if r not in reports]
+                    raise RefitError(f"refit: trainer rank{'s' if len(missing) > 1 else ''} "
+                                     f"{', '.join(map(str, missing))} never reported version {self._version} within "
+                                     f"{self.rendezvous_timeout_s:g} s; nothing committed (the previous version stays)")
+                time.sleep(0.02)
+        owner: dict[int, int] = {}
+        digests: dict[str, str] = {}
+        for r, rep in sorted(reports.items()):
+            for g in rep.get("groups", []):
+                if g in owner:
+                    name = sorted(self._need[self._keys[g]])[0]
+                    raise RefitError(f"refit: tensor {name} was staged by trainer ranks {owner[g]} and {r}; each "
+                                     "layer must come from one rank; nothing committed")
+                owner[g] = r
+            digests.update(rep.get("digests", {}))
+        none = [k for k in self._keys if self._gidx[k] not in owner]
+        if none:
+            names = sorted(s for k in none for s in self._need[k])
+            raise RefitError(f"refit: {len(names)} tensors were staged by no trainer rank (e.g. {names[:3]}); "
+                             "nothing committed")
+        want = {f.name for f in self.spec.files}
+        if set(digests) != want:
+            raise RefitError(f"refit: the ranks' reports do not cover the area's files "
+                             f"(e.g. {sorted(want ^ set(digests))[:2]}); nothing committed")
+        return digests
+
+    # ------------------------------------------------------------------ servers
+
+    def reload(self, weight_version: str | None = None) -> list:
+        """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do)."""
+        self._check_open()
+        if self.rank != 0 or not self.urls:
+            return []
+        if self.root.resolve() != fs.staging_root().resolve():
+            raise RefitError(f"reload: the servers find staging areas under {fs.staging_root()} "
+                             f"($QCONVERT_SHM_ROOT), not {self.root}; refit with root=None")
+        src = f"shm:{self.name}"
+        kw = dict(weight_version=weight_version, api_key=self.api_key, verify=self.verify)
+        if self.engine == "vllm":
+            from qconvert.client.vllm_client import reload_vllm
+
+            return reload_vllm(self.urls, src, pause=self.pause or "wait", **kw)
+        from qconvert.client.sglang_client import reload_sglang
+
+        return reload_sglang(self.urls, src, pause=self.pause or "retract", **kw)
+
+    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> RefitResult:
+        """:meth:`stage`, :meth:`commit`, :meth:`reload`."""
+        t0 = time.perf_counter()
+        self.stage(named_tensors)
+        n_in, n_out = self._n_in, self._n_out
+        t1 = time.perf_counter()
+        staged = self.commit()
+        t2 = time.perf_counter()
+        res = RefitResult(staged, tensors_in=n_in, tensors_out=n_out)
+        if staged is not None:
+            res.reload = self.reload(weight_version or f"v{staged.version}")
+        res.seconds = {"stage": t1 - t0, "commit": t2 - t1, "reload": time.perf_counter() - t2}
+        return res
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RefitError("refit: this Refitter is closed")
+
+    def close(self) -> None:
+        """Release the mappings (and CUDA registrations), the digest threads and any slot lock.
+        The area stays (servers keep reading the committed version)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._abort()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._maps.close()
+
+    def __enter__(self) -> "Refitter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stack_mxfp8(jobs: list, inv: dict, device: str, check: bool) -> list:
+    """Plain MXFP8 jobs of one layer group whose sources share a shape (the experts) merged into
+    one stacked job each (jobs.mxfp8_stack_job); every other job as it is."""
+    from qconvert.convert.jobs import mxfp8_stack_job
+
+    out, bins = [], {}
+    for j in jobs:
+        if j.fmt == "mxfp8" and len(j.sources) == 1 and len(j.outputs) == 2:
+            key = (staging.group_key(j.sources[0]), inv[j.sources[0]])
+            bins.setdefault(key, []).append(j)
+        else:
+            out.append(j)
+    for js in bins.values():
+        out.append(js[0] if len(js) == 1 else mxfp8_stack_job(js, device, check))
+    return out
+
+
+def _run_copy(whole: torch.Tensor, run: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination slice of the file, source bytes) for tensors that lie back to back in it."""
+    start, end = run[0][0], run[-1][0] + run[-1][1]
+    src = run[0][2] if len(run) == 1 else torch.cat([t for _, _, t in run])
+    return whole[start:end], src
+
+
+def _check_finite_batched(src: dict[str, torch.Tensor]) -> None:
+    """Refuse NaN/Inf in a layer group's inputs with one host sync: the L1 norm of each tensor
+    (torch._foreach_norm, a few launches for all of them) is NaN or inf if the tensor holds NaN or
+    Inf; a tensor flagged only because its finite values overflow the sum is checked exactly."""
+    from qconvert.convert.jobs import non_finite_error
+
+    names = [n for n in sorted(src) if src[n].is_floating_point() and src[n].numel()]
+    if not names:
+        return
+    norms = torch._foreach_norm([src[n] for n in names], 1)
+    flags = torch.isfinite(torch.stack([x.float() for x in norms])).cpu()
+    for n, ok in zip(names, flags.tolist()):
+        if not ok and not bool(torch.isfinite(src[n]).all()):
+            raise non_finite_error(n)
+
+
+def _unlink(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def _digest_mapping(mm) -> str:
+    from qconvert.convert.safetensors_io import xxh3_128_hex
+
+    view = memoryview(mm)
+    try:
+        return xxh3_128_hex(view)
+    finally:
+        view.release()
+
+
+# ---------------------------------------------------------------------- the one-call functions
 
 
 def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str | os.PathLike,
                 stage_name: str, options=None, root: Path | None = None) -> RefitResult:
-    """Quantize ``named_tensors`` with the converter's plan for ``reference`` and stage them as ``stage_name``."""
-    from qconvert.formats import dialects
-    from qconvert.convert.pipeline import ConvertOptions, build_jobs
-    from qconvert.convert import fused
-    from qconvert.convert.plan import build_plan
-
-    opts = options or ConvertOptions()
-    if opts.layout:
-        raise QConvertError("refit does not pre-shuffle (options.layout); reload plain checkpoints")
-    scheme = opts.scheme
-    config, inv = reference_inventory(reference)
-    inv, views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
-    plan = build_plan(inv, config, opts.plan)
-    dialect = dialects.resolve_dialect(scheme, opts.dialect)
-    jobs = build_jobs(plan, scheme, dialect, opts).jobs  # the plan holds each tensor's dtype and shape
-
-    # which jobs each layer group needs, and which source tensors complete it
-    group_jobs: dict[tuple, list] = {}
-    for j in jobs:
-        keys = {staging.group_key(o.name) for o in j.outputs}
-        if len(keys) != 1:
-            raise QConvertError(f"a converter job spans several layers ({sorted(keys)}); cannot stage it per layer")
-        group_jobs.setdefault(keys.pop(), []).append(j)
-    need: dict[tuple, set[str]] = {k: {s for j in js for s in j.sources} for k, js in group_jobs.items()}
-    group_of_source = {s: k for k, srcs in need.items() for s in srcs}
-
-    qcfg, extra = _quant_config(scheme, plan, dialect, opts)
-    out_config = dict(config)
-    if qcfg is not None:
-        out_config["quantization_config"] = qcfg
-
-    res_in = res_out = 0
-    buffers: dict[tuple, dict[str, torch.Tensor]] = {}
-    with staging.StagingWriter(stage_name, root=root, source=f"refit of {Path(reference).resolve()}",
-                               config=out_config) as w:
-        def flush(key):
-            nonlocal res_out
-            src = buffers.pop(key)
-            batch = []
-            for j in group_jobs[key]:
-                outs = j.fn({s: src[s] for s in j.sources})
-                for o in j.outputs:
-                    t = outs[o.name]
-                    if tuple(t.shape) != tuple(o.shape) or t.dtype != o.dtype:
-                        raise QConvertError(f"refit: {o.name} came out {t.dtype} {tuple(t.shape)}, "
-                                            f"expected {o.dtype} {tuple(o.shape)}")
-                    batch.append((o.name, staging.dtype_tag(t.dtype), tuple(t.shape), t))
-            w.add_group(batch)
-            res_out += len(batch)
-
-        # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
-        for name, t in fused.split_stream(named_tensors, config, views):
-            key = group_of_source.get(name)
-            if key is None:
-                raise QConvertError(f"refit: tensor {name!r} is not in the reference checkpoint {reference}; "
-                                    "the trainer's names must be the Hugging Face names")
-            want_dtype, want_shape = inv[name]
-            if tuple(t.shape) != want_shape or staging.dtype_tag(t.dtype) != want_dtype:
-                raise QConvertError(f"refit: {name} is {t.dtype} {tuple(t.shape)}, the reference has "
-                                    f"{want_dtype} {list(want_shape)}")
-            buf = buffers.setdefault(key, {})
-            if name in buf or key not in need:
-                raise QConvertError(f"refit: tensor {name!r} given twice")
-            buf[name] = t.detach()
-            res_in += 1
-            if buf.keys() == need[key]:
-                flush(key)
-                del need[key]
-        if need:
-            missing = sorted(s for k in need for s in need[k] - buffers.get(k, {}).keys())
-            raise QConvertError(f"refit: {len(missing)} tensors never arrived (e.g. {missing[:3]}); "
-                                "send every tensor of the model")
-        for fname, obj in extra.items():
-            w.add_file(fname, json.dumps(obj, indent=2).encode())
-        w.add_file("config.json", json.dumps(out_config, indent=2).encode())
-        ref = Path(reference)
-        for p in sorted(ref.iterdir()):
-            if (p.is_file() and p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken")
-                    and p.name not in ("config.json", staging.INDEX, staging.MANIFEST, MANIFEST_NAME)
-                    and p.name not in extra):
-                w.add_file(p.name, p.read_bytes())
-        area = w.commit()
-    return RefitResult(area=area, tensors_in=res_in, tensors_out=res_out)
+    """Quantize ``named_tensors`` with the converter's plan for ``reference`` and stage them as a
+    committed version of ``stage_name`` (a :class:`Refitter` made, used once and closed)."""
+    with Refitter(reference, options, stage_name, root=root) as r:
+        r.stage(named_tensors)
+        n_in, n_out = r._n_in, r._n_out
+        return RefitResult(r.commit(), tensors_in=n_in, tensors_out=n_out)
 
 
 def refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str | os.PathLike, urls: list[str],
@@ -157,16 +653,6 @@ def refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str |
           api_key: str | None = None, pause: str | None = None, verify: bool = False,
           root: Path | None = None) -> RefitResult:
     """Quantize and stage (see :func:`stage_refit`), then reload the staging area into ``urls``."""
-    res = stage_refit(named_tensors, reference=reference, stage_name=stage_name, options=options, root=root)
-    kw = dict(weight_version=weight_version, api_key=api_key, verify=verify)
-    if engine == "vllm":
-        from qconvert.client.vllm_client import reload_vllm
-
-        res.reload = reload_vllm(urls, res.area.path, pause=pause or "wait", **kw)
-    elif engine == "sglang":
-        from qconvert.client.sglang_client import reload_sglang
-
-        res.reload = reload_sglang(urls, res.area.path, pause=pause or "retract", **kw)
-    else:
-        raise QConvertError(f"engine {engine!r}: use vllm or sglang")
-    return res
+    with Refitter(reference, options, stage_name, urls, engine, root=root, api_key=api_key, pause=pause,
+                  verify=verify) as r:
+        return r.refit(named_tensors, weight_version)

@@ -45,10 +45,10 @@ from qconvert.formats.schemes import BLOCK
 from qconvert.convert.layouts.trtllm_index import (
     BLOCK_K_BYTES,
     EPILOGUE_TILE_M,
-    _round_up,
     from_block_major_k,
     inverse_permutation,
     permute_rows,
+    round_up,
     swizzle_128x4,
     to_block_major_k,
     unswizzle_128x4,
@@ -167,7 +167,7 @@ def rank_shape(
             f"per-rank intermediate size {i} (= {intermediate_size} / tp {tp}) is not a multiple "
             f"of the {scheme} block of {sf}; choose a smaller --tp"
         )
-    ip, hp = _round_up(i, pad.intermediate_multiple), _round_up(h, pad.hidden_multiple)
+    ip, hp = round_up(i, pad.intermediate_multiple), round_up(h, pad.hidden_multiple)
     if not pad.pad_allowed and (ip != i or hp != h):
         raise LayoutError(
             f"{engine} would pad the per-rank intermediate size {i} to {ip} over the fused "
@@ -602,7 +602,7 @@ def installed_flashinfer_version() -> str | None:
         return None
 
 
-def layout_contract(
+def kernel_layout_contract(
     scheme: str,
     engine: str,
     *,
@@ -663,7 +663,7 @@ CONTRACT_KEYS = (
 )
 
 
-def check_layout_contract(stored: dict, expected: dict, where: str = "checkpoint") -> None:
+def check_kernel_layout_contract(stored: dict, expected: dict, where: str = "checkpoint") -> None:
     """Raise :class:`LayoutError` naming the first key where ``stored`` differs."""
     for k in CONTRACT_KEYS:
         if stored.get(k) != expected.get(k):

@@ -30,7 +30,8 @@ SF_ROW_TILE = 128
 SF_COL_TILE = 4
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m``."""
     return (x + m - 1) // m * m
 
 
@@ -168,14 +169,14 @@ def permute_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def swizzled_size(rows: int, cols: int) -> int:
     """Bytes of one swizzled [rows, cols] scale matrix (rows -> 128, cols -> 4)."""
-    return _round_up(rows, SF_ROW_TILE) * _round_up(cols, SF_COL_TILE)
+    return round_up(rows, SF_ROW_TILE) * round_up(cols, SF_COL_TILE)
 
 
 @lru_cache(maxsize=256)
 def _swizzle_src(rows: int, cols: int) -> torch.Tensor:
     """For each flat output position of the swizzle, the flat source position in the padded
     ``[Mp, Kp]`` matrix (pad then ``view(Mp/128, 4, 32, Kp/4, 4).permute(0, 3, 2, 1, 4)``)."""
-    mp, kp = _round_up(rows, SF_ROW_TILE), _round_up(cols, SF_COL_TILE)
+    mp, kp = round_up(rows, SF_ROW_TILE), round_up(cols, SF_COL_TILE)
     src = torch.arange(mp * kp, dtype=torch.long).view(mp // 128, 4, 32, kp // 4, 4)
     return src.permute(0, 3, 2, 1, 4).reshape(-1)
 
@@ -192,7 +193,7 @@ def swizzle_128x4(sf: torch.Tensor, row_perm: torch.Tensor | None = None) -> tor
     when no padding is needed the permutation and the swizzle are one gather.
     """
     *lead, rows, cols = sf.shape
-    mp, kp = _round_up(rows, SF_ROW_TILE), _round_up(cols, SF_COL_TILE)
+    mp, kp = round_up(rows, SF_ROW_TILE), round_up(cols, SF_COL_TILE)
     view = _BYTE_VIEW[sf.element_size()]
     x = sf.contiguous().view(view) if sf.dtype != view else sf.contiguous()
     x = x.reshape(-1, rows, cols)
@@ -228,7 +229,7 @@ def _swizzle_src_perm(rows: int, cols: int, row_perm: torch.Tensor) -> torch.Ten
 @lru_cache(maxsize=256)
 def _unswizzle_src(rows: int, cols: int) -> torch.Tensor:
     """For each (r, c) of the unpadded matrix, its position in the swizzled flat buffer."""
-    kp = _round_up(cols, SF_COL_TILE)
+    kp = round_up(cols, SF_COL_TILE)
     r = torch.arange(rows, dtype=torch.long).view(-1, 1)
     c = torch.arange(cols, dtype=torch.long).view(1, -1)
     off = (r // 128) * 128 * kp + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4

@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .pool import run_chunks
+
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 #: No fast-math, no contraction into FMA: each float operation is one IEEE fp32 operation (the
 #: vector instructions of -march=native included). The build is keyed by this CPU's features.
@@ -191,7 +193,7 @@ def _self_check(lib: ctypes.CDLL) -> str:
         xb = x.view(-1, mxfp8.MXFP8_BLOCK)
         q_ref = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
         s_ref = torch.empty(xb.shape[0], dtype=torch.uint8)
-        mxfp8._quantize_cpu(xb, q_ref, s_ref, 1)
+        mxfp8.quantize_cpu_chain(xb, q_ref, s_ref, 1)
         q, s = torch.empty(xb.shape, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
         for path in _loop_paths():
             lib.qc_mxfp8(xb.data_ptr(), kind, 0, xb.shape[0], q.data_ptr(), s.data_ptr())
@@ -206,7 +208,7 @@ def _self_check(lib: ctypes.CDLL) -> str:
                 gt = torch.tensor(g, dtype=torch.float32)
                 pk_ref = torch.empty(xb.shape[0], 8, dtype=torch.uint8)
                 sc_ref = torch.empty(xb.shape[0], dtype=torch.float8_e4m3fn)
-                nvfp4._quantize_cpu(xb, gt, nvfp4._scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
+                nvfp4.quantize_cpu_chain(xb, gt, nvfp4.recipe_scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
                 _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
                 for path in _loop_paths():
                     lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], int(recipe == "te"), float(k0), float(k1),
@@ -257,56 +259,13 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _KIND and x.is_contiguous() and library() is not None
 
 
-def _run_chunks(fn, n: int, workers: int, min_step: int = 4096) -> list:
-    """``fn(b0, b1)`` over [0, n) in chunks on ``workers`` threads (the C calls release the GIL);
-    the results in chunk order."""
-    workers = max(1, workers)
-    if workers == 1 or n < 2 * min_step:
-        return [fn(0, n)]
-    step = max(min_step, -(-n // (workers * 4)))  # a few chunks per worker: balance across cores
-    return run_all(workers, [(fn, b0, min(n, b0 + step)) for b0 in range(0, n, step)])
-
-
-def run_all(workers: int, calls: list[tuple]) -> list:
-    """Run each ``(fn, *args)`` of ``calls`` on the shared pool of ``workers`` threads and return the
-    results in order. Every call has finished before this returns or raises (Ctrl-C included: see
-    :func:`wait_all`)."""
-    from .mxfp8 import _pool  # the pool the torch-chain chunks share (imported late: mxfp8 imports this module)
-
-    futures = []
-    try:
-        for fn, *args in calls:
-            futures.append(_pool(workers).submit(fn, *args))
-    finally:
-        wait_all(futures)
-    return [fut.result() for fut in futures]
-
-
-def wait_all(futures) -> None:
-    """Wait until every future has finished, even through a KeyboardInterrupt (raised afterwards).
-    The C calls get raw pointers: a caller that went on while a chunk still ran (Ctrl-C during
-    ``fut.result()``) would free the tensors the kernel is writing into (a segfault), and a
-    thread still in a kernel at interpreter exit can abort the process."""
-    from concurrent.futures import wait
-
-    interrupted = None
-    while True:
-        try:
-            wait(futures)
-            break
-        except KeyboardInterrupt as e:
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
-
-
 def abs_max_f32(x: torch.Tensor, workers: int) -> np.float32:
     """``max |x|`` of a contiguous BF16/FP32 CPU tensor as a numpy fp32 scalar, exactly (NaN if any
     element is NaN), on ``workers`` threads."""
     lib = library()
     kind = _KIND[x.dtype]
     xp = x.data_ptr()
-    bits = max(_run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20),
+    bits = max(run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20),
                default=0)
     return np.uint32(bits).view(np.float32)  # bits <= 0x7FFFFFFF: the sign is clear
 
@@ -322,7 +281,7 @@ def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int)
     lib = library()
     kind = _KIND[xb.dtype]
     xp, qp, sp = xb.data_ptr(), q.data_ptr(), s.data_ptr()
-    _run_chunks(lambda b0, b1: lib.qc_mxfp8(xp, kind, b0, b1, qp, sp), xb.shape[0], workers)
+    run_chunks(lambda b0, b1: lib.qc_mxfp8(xp, kind, b0, b1, qp, sp), xb.shape[0], workers)
 
 
 def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
@@ -333,7 +292,7 @@ def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
     kind = _KIND[xb.dtype]
     xp, pp, sp = xb.data_ptr(), packed.data_ptr(), scale.data_ptr()
     te_i, gz = int(bool(te)), int(bool(g_zero))
-    _run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)
+    run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)
 
 
 def decode_stats(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, elem_lut: torch.Tensor,
@@ -359,7 +318,7 @@ def decode_stats(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ele
                             ctypes.byref(first))
         return float(sums[0]), float(sums[1]), bool(nonfinite.value), worst.value, first.value
 
-    parts = _run_chunks(run, n, workers, 1 << 12)
+    parts = run_chunks(run, n, workers, 1 << 12)
     firsts = [p[4] for p in parts if p[4] >= 0]
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), any(p[2] for p in parts),
             max((p[3] for p in parts), default=0.0), firsts[0] if firsts else -1)

@@ -14,12 +14,12 @@ all-zero blocks (elements are zero whatever the scale) and blocks of subnormal m
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ...formats.schemes import MXFP8_BLOCK  # noqa: F401 (re-exported: numerics.MXFP8_BLOCK)
 from . import cpu_kernels
+from .pool import run_all
 
 E4M3_MAX = 448.0
 #: Smallest scale byte qconvert writes (2^-126). See the module docstring.
@@ -77,29 +77,12 @@ def _quantize_blocks(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
 CPU_CHUNK_BLOCKS = 8192
 #: Tensors of at most this many blocks are quantized inline (torch does not split them either).
 SMALL_BLOCKS = 1024
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
 
 
-def _single_thread():
-    torch.set_num_threads(1)  # per-thread setting: this worker's ops run on this worker only
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _pool_lock:
-        p = _pools.get(workers)
-        if p is None:
-            p = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="qconvert-mxfp8",
-                                                     initializer=_single_thread)
-        return p
-
-
-def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:
-    """Chunks of CPU_CHUNK_BLOCKS handed out to ``workers`` threads, each single-threaded in torch.
-
-    Python threads rather than torch's intra-op pool: one OpenMP fork/join per small op costs
-    more than the op on a busy machine, while each torch op here releases the GIL for its work.
-    """
+def quantize_cpu_chain(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int) -> None:
+    """The op chain on CPU blocks ``xb [n, 32]``: chunks of CPU_CHUNK_BLOCKS handed out to
+    ``workers`` threads of the shared pool (``pool.py``), each single-threaded in torch. What the C
+    kernel's self-check compares with."""
     n = xb.shape[0]
     chunk = CPU_CHUNK_BLOCKS
     if n <= SMALL_BLOCKS:  # below torch's parallel grain size: one pass in the calling thread
@@ -117,8 +100,6 @@ def _quantize_cpu(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: i
             if i is None:
                 return
             _quantize_blocks(xb[i:i + chunk], q[i:i + chunk], s[i:i + chunk], fbuf, abuf)
-
-    from .cpu_kernels import run_all
 
     workers = max(1, workers)
     run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
@@ -173,7 +154,7 @@ def mxfp8_quantize(x: torch.Tensor, workers: int | None = None, blocks_fn=None) 
         if cpu_kernels.usable(xb):  # the same bytes in one pass (cpu_kernels.c)
             cpu_kernels.mxfp8_into(xb, q.view(-1, MXFP8_BLOCK), s.view(-1), w)
         else:
-            _quantize_cpu(xb, q.view(-1, MXFP8_BLOCK), s.view(-1), w)
+            quantize_cpu_chain(xb, q.view(-1, MXFP8_BLOCK), s.view(-1), w)
     else:
         _quantize_blocks(xb, q.view(-1, MXFP8_BLOCK), s.view(-1))
     return q, s

@@ -71,6 +71,7 @@ import torch
 
 from ...formats.schemes import NVFP4_BLOCK, NVFP4_RECIPES  # noqa: F401 (re-exported by numerics)
 from . import cpu_kernels
+from .pool import run_all
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -94,6 +95,16 @@ def encode_global_scale(g, recipe: str) -> np.float32:
     gf = np.float32(float(g))
     with np.errstate(all="ignore"):
         return np.minimum(np.float32(global_div(recipe)) / gf, _NP_FLT_MAX) if gf > 0 else np.float32(1.0)
+
+
+def encode_global_scale_tensor(g: torch.Tensor, recipe: str) -> torch.Tensor:
+    """:func:`encode_global_scale` on ``g``'s device, as a 1-element fp32 tensor: the same fp32
+    division (tensor by tensor, IEEE round to nearest; ``scalar / tensor`` would be a reciprocal
+    and a product), clamp and zero rule, with no host sync (a GPU refit has one per fused group)."""
+    g = g.reshape(1).float()
+    q = torch.full_like(g, float(global_div(recipe))) / g
+    return torch.where(g > 0, torch.clamp(q, max=_FLT_MAX), torch.ones_like(g))
+
 
 _FLT_MAX = torch.finfo(torch.float32).max
 _NP_FLT_MAX = np.float32(_FLT_MAX)
@@ -227,7 +238,7 @@ def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float32, np.float32]:
     """``(scale_2, k0, k1)`` for the C kernel from the global amax ``g``, as numpy fp32 scalars: the
-    IEEE fp32 operations of :func:`_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
+    IEEE fp32 operations of :func:`recipe_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
     fl32(1/6)``, ``k1 = S_dec``) or :func:`modelopt_tensor_divisor` (modelopt: ``k0 = 6 * scale_2``,
     ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
     3 MB expert's time on a 2-core machine)."""
@@ -289,7 +300,7 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     return _f32(global_amax, dev)
 
 
-def _scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
+def recipe_scale_2(g: torch.Tensor, recipe: str) -> torch.Tensor:
     dev = g.device
     div = global_div(recipe)
     scale_2 = nvfp4_scale_2(g, div)
@@ -386,9 +397,10 @@ CPU_CHUNK_BLOCKS = 8192
 SMALL_BLOCKS = 1024
 
 
-def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
-    """Chunks of CPU_CHUNK_BLOCKS handed out to ``workers`` threads (single-threaded in torch),
-    as mxfp8.py does: one OpenMP fork/join per small op would cost more than the op."""
+def quantize_cpu_chain(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
+    """The op chain on CPU blocks ``xb [n, 16]``: chunks of CPU_CHUNK_BLOCKS handed out to
+    ``workers`` threads of the shared pool (``pool.py``), single-threaded in torch, as mxfp8.py
+    does. What the C kernel's self-check compares with."""
     import threading
 
     n = xb.shape[0]
@@ -409,8 +421,6 @@ def _quantize_cpu(xb, g, scale_2, recipe, packed, scale, workers: int) -> None:
                 return
             _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
 
-    from .cpu_kernels import run_all
-
     workers = max(1, workers)
     run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
 
@@ -423,7 +433,7 @@ def nvfp4_quantize_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te")
     :func:`compiled_nvfp4_blocks`) specializes it once per distinct block count, a handful per
     model (q/o, k/v, each expert matrix).
     """
-    scale_2 = _scale_2(g, recipe)
+    scale_2 = recipe_scale_2(g, recipe)
     n = xb.shape[0]
     packed = torch.empty(n, NVFP4_BLOCK // 2, dtype=torch.uint8, device=xb.device)
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
@@ -474,13 +484,13 @@ def nvfp4_quantize(
         return packed, scale, torch.tensor(scale_2, dtype=torch.float32)
     g = _global_amax(x, global_amax)
     if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:
-        scale_2 = _scale_2(g, recipe)
+        scale_2 = recipe_scale_2(g, recipe)
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=dev)
         scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
         if xb.shape[0]:
             pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
             if dev.type == "cpu":
-                _quantize_cpu(xb, g, scale_2, recipe, pv, sv, w)
+                quantize_cpu_chain(xb, g, scale_2, recipe, pv, sv, w)
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2
