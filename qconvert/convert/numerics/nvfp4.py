@@ -171,6 +171,12 @@ def _e2m1_code_i32(v: torch.Tensor, te_sign: bool, bufs=None) -> torch.Tensor:
     return a.add_(lo).add_(_LO_BIAS).bitwise_or_(sign)
 
 
+def e2m1_signed_code(v: torch.Tensor, te_sign: bool) -> torch.Tensor:
+    """Signed E2M1 codes (uint8, 0..15) of fp32 ``v`` (not modified): RNE, saturating at 6; the
+    sign as ``_e2m1_code_i32`` takes it (``te_sign``: the sign bit; else ``v < 0``)."""
+    return _e2m1_code_i32(v.float().contiguous().clone(), te_sign).to(torch.uint8)
+
+
 def e2m1_magnitude_code(a: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude index (uint8, 0..7) of ``a >= 0``: round to nearest even, saturate at 6.
 
