@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, fp8_source, fused, kernels
+from ..formats import dialects
+from . import destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
