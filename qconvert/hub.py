@@ -30,34 +30,18 @@ from typing import Callable
 from . import __version__
 from .convert.plan import index_ranges
 from .errors import QConvertError
-from .inspect import InspectReport, engine_support, fmt_bytes, inspect_checkpoint
+from .formats.dialects import DIALECT_TEXT, ENGINE_VERSIONS, engine_support
+from .formats.manifest import MANIFEST_NAME
+from .formats.schemes import SCHEME_TEXT
+from .inspect import InspectReport, fmt_bytes, inspect_checkpoint
 
 CARD_MARKER = "<!-- qconvert-card v2 -->"
 SRC_BEGIN = "<!-- qconvert-source-card:begin -->"
 SRC_BODY = "<!-- qconvert-source-card:body -->"
 SRC_END_V1 = "<!-- qconvert-source-card:end -->"
 #: engine versions the formats were checked against
-ENGINE_TARGETS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+ENGINE_TARGETS = ENGINE_VERSIONS
 VERIFY_NAME = "qconvert-verify.json"
-
-SCHEME_TEXT = {
-    "mxfp8": "MXFP8: FP8 E4M3 elements with one E8M0 (power-of-two) scale per 1x32 block along the input dimension",
-    "nvfp4": "NVFP4: FP4 E2M1 elements with one FP8 E4M3 scale per 1x16 block and one FP32 global scale per tensor",
-    "bf16": "BF16 (not quantized)",
-}
-DIALECT_TEXT = {
-    ("mxfp8", "auto"): "`quant_method: mxfp8`, `weight_scale` uint8 [N, K/32], exclusions in `ignored_layers` and "
-                       "`modules_to_not_convert` (loads in vLLM and SGLang)",
-    ("mxfp8", "sglang"): "SGLang/miles: `quant_method: mxfp8`, `weight_scale_inv` uint8 [N, K/32] (an E8M0 byte, not an "
-                         "inverse), exclusions in `modules_to_not_convert` (SGLang only)",
-    ("mxfp8", "modelopt"): "ModelOpt: `quant_method: modelopt`, `quant_algo: MXFP8`, `weight_scale` uint8 [N, K/32], "
-                           "`ignore` + `hf_quant_config.json`",
-    ("nvfp4", "modelopt"): "ModelOpt `modelopt_fp4`: packed `weight` uint8 [N, K/2], `weight_scale` E4M3 [N, K/16], "
-                           "`weight_scale_2` = amax/2688 (decode), `input_scale`",
-    ("nvfp4", "compressed-tensors"): "compressed-tensors `nvfp4-pack-quantized`: `weight_packed` uint8 [N, K/2], "
-                                     "`weight_scale` E4M3 [N, K/16], `weight_global_scale` = 2688/amax (encode)",
-}
-
 
 # ---- source card --------------------------------------------------------------------------------
 

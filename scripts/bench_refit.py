@@ -138,7 +138,7 @@ def stage_bench(a) -> dict:
     from qconvert.refit import Refitter
 
     device = a.device
-    work = Path(a.out)
+    work = Path(a.work)
     root = Path(a.shm_root)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                "cpu_count": os.cpu_count(), "runs": []}
@@ -176,7 +176,8 @@ def stage_bench(a) -> dict:
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
         del weights
-    (work / "bench_refit_stage.json").write_text(json.dumps(results, indent=1))
+        shutil.rmtree(ref, ignore_errors=True)
+    (Path(a.out) / "bench_refit_stage.json").write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -215,6 +216,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shm-root", default="/dev/shm/qconvert-bench")
+    ap.add_argument("--work", default="/tmp/qconvert-bench-refit", help="the reference checkpoints (sparse files)")
     ap.add_argument("--from", dest="src", help="gpu_layout_check.json written by scripts/gpu_layout_check.py")
     ap.add_argument("--run", action="store_true", help="run scripts/gpu_layout_check.py first (needs CUDA + FlashInfer)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -123,10 +123,13 @@ def _opts(scheme, last_n_bf16=0, layout=None, input_mode="weight-only"):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("form", ["out_in", "in_out_w"])
-def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path):
+def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, monkeypatch):
     """Converting the fused checkpoint gives every output tensor, and the quantization config,
     byte for byte as converting the split checkpoint."""
     kw = CASES[case]
+    if form == "in_out_w":  # every job on the dispatch thread: a merged job's parts run side by side
+        from qconvert.convert import kernels
+        monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 0)
     a = convert(str(demo_moe), tmp_path / "split", opts=_opts(**kw))
     b = convert(str(fused_dirs[form]), tmp_path / "fused", opts=_opts(**kw))
     ta, tb = _load_dir(tmp_path / "split"), _load_dir(tmp_path / "fused")
@@ -292,10 +295,12 @@ def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+def test_vllm_loads_fused_source_conversion(fused_dirs, demo_moe, tmp_path):
     """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
     CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
-    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized. The fused BF16
+    source itself also loads in vLLM 0.32 (its Qwen3-MoE loader reads fused names) with the split
+    source's logprobs, which ``verify --check-in-engine vllm`` relies on for a fused SRC."""
     pytest.importorskip("vllm")
     from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
                                       convert_with_qconvert, make_dequantized)
@@ -305,7 +310,12 @@ def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
     ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
     dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
     jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    jobs += [{"model": demo_moe}, {"model": fused_dirs["out_in"]}]
     res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    split, fz = res[-2]["stages"][0], res[-1]["stages"][0]
+    assert _all_finite(fz)
+    assert compare_logprobs(split["score"], fz["score"])["max_abs_logprob_diff"] == 0.0
+    assert split["tokens"] == fz["tokens"]
     for i, k in enumerate(keys):
         ref, q = res[i], res[len(keys) + i]
         st, st_ref = q["stages"][0], ref["stages"][0]
@@ -377,4 +387,19 @@ def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_pat
     assert r.exit_code == 1
     lines = [x for x in r.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "model.layers.0.mlp.experts.gate_up_proj" in lines[0] and "gpt-oss" in lines[0], r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, config, tmp_path):
+    """A NaN inside a fused tensor: a fresh ``qconvert`` process exits 1 with one line naming the
+    fused tensor the user has and the expert, not a per-expert name that is not in the files."""
+    from test_hostile_convert import assert_one_line, cli
+    t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
+    n = "model.layers.1.mlp.experts.gate_up_proj"
+    t[n] = t[n].clone()
+    t[n][5, config["moe_intermediate_size"] + 3, 7] = float("nan")  # expert 5, up half
+    d = write_like(demo_moe, tmp_path / "src", t)
+    r = cli("mxfp8", str(d), str(tmp_path / "out"))
+    line = assert_one_line(r, 1, "NaN")
+    assert f"'{n}' (expert 5, up_proj)" in line, line
     assert not (tmp_path / "out").exists()

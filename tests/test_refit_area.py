@@ -292,11 +292,16 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
 def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
     """The CUDA path's batched NaN/Inf check and coalesced copies, run on CPU: same bytes, and
     the same refusal as the converter's jobs (naming the tensor); huge finite values pass."""
+    from qconvert.convert import jobs
+
     monkeypatch.setattr(Refitter, "_BATCHED", True)
     opts = _opts(scheme=scheme, **({"input_mode": "unit"} if scheme == "nvfp4" and extra else {}), **extra)
-    want = _convert(demo_moe, tmp_path / "c", opts)
+    want = _convert(demo_moe, tmp_path / "c", opts)  # the per-tensor jobs
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})  # stacked MXFP8 quantization
     with Refitter(demo_moe, opts, "b") as r:
         assert r._check_group
+        if scheme == "mxfp8" and not extra:
+            assert any(len(j.sources) > 8 for js in r._group_jobs.values() for j in js)  # experts stacked
         _assert_same(want, _tensors(r.refit(_stream(demo_moe)).area.path))
         items = list(_stream(demo_moe))
         name = next(n for n, _ in items if ".experts.3.up_proj" in n)
@@ -350,3 +355,82 @@ def test_engine_side_loader_reads_what_the_refitter_wrote(demo_moe, demo_moe_2, 
                                         ranks=(1, 0, 1, 0))
         assert stats["version"] == 2 and stats["slot"] == 1 and stats["verified"]
         _assert_same(want, got)
+
+
+@pytest.mark.parametrize("recipe", ["te", "4over6"])
+def test_device_encode_global_scale_is_numpy_fp32_division(recipe):
+    """The GPU jobs' weight_global_scale (no host sync) against NumPy's fp32 division, clamp and
+    zero rule on adversarial amaxes (zero, subnormal, tiny, huge, inf, NaN, random normals)."""
+    import numpy as np
+
+    from qconvert.convert.numerics.nvfp4 import encode_global_scale_tensor, global_div
+
+    rng = np.random.default_rng(0)
+    gs = np.concatenate([np.array([0.0, 1e-45, 1e-40, 1.17e-38, 1e-30, 1e-6, 1.0, 3.0e38, np.inf, np.nan],
+                                  dtype=np.float32),
+                         np.abs(rng.standard_normal(2000).astype(np.float32)) * np.float32(10.0) **
+                         rng.integers(-30, 30, 2000).astype(np.float32)])
+    for g in gs:
+        with np.errstate(all="ignore"):
+            want = min(np.float32(global_div(recipe)) / np.float32(g), np.finfo(np.float32).max) if g > 0 \
+                else np.float32(1.0)
+        got = encode_global_scale_tensor(torch.tensor(g), recipe)
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert np.float32(want).tobytes() == got.numpy().tobytes(), (g, want, got)
+
+
+@pytest.mark.parametrize("layout", [None, "flashinfer-trtllm"])
+def test_stacked_mxfp8_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monkeypatch, layout):
+    """The stacked MXFP8 quantization (one launch per projection of a layer, the GPU path), run on
+    CPU: a NaN in one expert is refused naming that tensor, by the converter's layout job and by
+    the Refitter's stacked jobs with their own check."""
+    from qconvert.convert import jobs
+
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})
+    items = list(_stream(demo_moe))
+    bad = next(n for n, _ in items if ".layers.1.mlp.experts.5.down_proj" in n)
+    poisoned = [(n, t.clone().index_fill_(0, torch.tensor([0]), float("nan")) if n == bad else t) for n, t in items]
+    want = (f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+    opts = _opts(scheme="mxfp8", layout=layout)
+    with Refitter(demo_moe, opts, "s") as r:
+        assert not r._check_group
+        with pytest.raises(QConvertError) as e:
+            r.refit(poisoned)
+        assert str(e.value) == want
+        r.refit(items)  # and clean weights go through
+
+
+def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
+    """Files of at most PART_BYTES (or one tensor), tensors back to back, aligned per the contract,
+    readable by safetensors' own parser and accepted by formats.staging.parse_area."""
+    import struct
+
+    monkeypatch.setattr(staging, "PART_BYTES", 4096)
+    tensors = [(f"w{i}", "BF16", (8, 64)) for i in range(10)]  # 1024 bytes each
+    tensors += [("big", "U8", (9000,)), ("odd", "U8", (300,)), ("odd2", "BF16", (150,)), ("s1", "F32", ()),
+                ("s2", "F32", (2,)), ("b1", "BF16", (3,)), ("u", "U8", (5,))]
+    packed = staging.pack_v2(7, (1, 0), tensors)
+    names = [n for f, _ in packed for n in f.tensors]
+    assert sorted(names) == sorted(n for n, *_ in tensors)
+    for f, head in packed:
+        assert fs.FILE_RE.match(f.name) and f.rank == (1, 0) and f.name.startswith("g00007-tp1-ep0-")
+        specs = sorted(f.tensors.values(), key=lambda t: t.offset)
+        assert specs[0].offset == len(head) and len(head) % 256 == 0
+        for a, b in zip(specs, specs[1:]):
+            assert a.offset + a.nbytes == b.offset  # back to back: safetensors allows no gaps
+        assert specs[-1].offset + specs[-1].nbytes == f.size
+        if len(f.tensors) > 1:
+            assert sum(t.nbytes for t in f.tensors.values() if t.nbytes >= 256) <= 4096
+        n = struct.unpack("<Q", head[:8])[0]
+        hdr = json.loads(head[8:8 + n])
+        for name, t in f.tensors.items():
+            assert hdr[name]["data_offsets"][0] + len(head) == t.offset and hdr[name]["dtype"] == t.dtype
+        (tmp_path / f.name).write_bytes(head + bytes(f.size - len(head)))
+        with safe_open(tmp_path / f.name, "pt") as so:
+            assert {k: list(so.get_slice(k).get_shape()) for k in so.keys()} == \
+                {k: list(t.shape) for k, t in f.tensors.items()}
+    by_name = {n: f for f, _ in packed for n in f.tensors}
+    assert len(by_name["odd"].tensors) == 1 and len(by_name["odd2"].tensors) == 1
+    assert by_name["s1"] is by_name["u"] is by_name["w9"]  # the small ones close the last aligned file
+    spec = fs.AreaSpec({}, fs.DIGEST_XXH3, 2, 1, tuple(f for f, _ in packed))
+    assert fs.parse_area(json.loads(json.dumps(spec.to_json()))) == spec

@@ -150,7 +150,9 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
     make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout,
                                                      reload_timeout=reload_timeout, retries=retries))
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
-    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    # a staging area's data digests are recomputed only with --verify (as for vLLM)
+    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint,
+                                     lambda name: open_area(name, verify_data=verify))
     try:
         if read_layout(Path(path)) is not None:
             raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "

@@ -592,19 +592,35 @@ def _refuse_link(p: Path) -> None:
 # from the output inventory, created once, mapped once and overwritten in place at every refit.
 
 
+#: A version 2 file holds at most this many bytes (unless one tensor is larger): a layer's digests
+#: are computed on several threads, and the last layer's adds little to the commit.
+PART_BYTES = 128 << 20
+
+
 def pack_v2(group: int, rank: tuple[int, int] | None,
             tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[fs.FileSpec, bytes]]:
     """The files of one (group, rank): (FileSpec, header bytes). Tensors whose size is a multiple of
-    256 first (each 256-aligned), then those under 256 bytes by falling element size (each at a
-    multiple of its element size); any other tensor gets a file of its own."""
+    256 (each 256-aligned), in files of at most :data:`PART_BYTES`, the last of which then takes
+    those under 256 bytes by falling element size (each at a multiple of its element size); any
+    other tensor gets a file of its own."""
     size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in tensors}
     meta = {n: (tag, tuple(int(x) for x in shape)) for n, tag, shape in tensors}
     even = sorted(n for n in size if size[n] % ALIGN == 0)
     tiny = sorted((n for n in size if size[n] < ALIGN and size[n] % ALIGN),
                   key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n))
     odd = sorted(n for n in size if size[n] % ALIGN and size[n] >= ALIGN)
+    parts: list[list[str]] = [[]]
+    filled = 0
+    for n in even:  # files of at most PART_BYTES (or one tensor): digests run in parallel over them
+        if parts[-1] and filled + size[n] > PART_BYTES:
+            parts.append([])
+            filled = 0
+        parts[-1].append(n)
+        filled += size[n]
+    parts[-1] += tiny
+    parts = [p for p in parts if p] + [[n] for n in odd]
     out = []
-    for part, names in enumerate([even + tiny] + [[n] for n in odd] if (even or tiny) else [[n] for n in odd]):
+    for part, names in enumerate(parts):
         head, offs = _header_bytes([(n, *meta[n], size[n]) for n in names], fs.FORMAT_V2)
         specs = {n: fs.TensorSpec(meta[n][0], meta[n][1], len(head) + off) for n, off in zip(names, offs)}
         out.append((fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank,
@@ -663,7 +679,14 @@ class SlotMaps:
         self._maps: dict[tuple[int, str], tuple] = {}  # (slot, file) -> (mmap, uint8 tensor, registered)
 
     def tensor(self, slot: int, fname: str) -> torch.Tensor:
-        """The whole file as a writable uint8 tensor over the mapping."""
+        """The whole file as a writable uint8 tensor over the mapping. The first use of a file maps
+        (and registers) it in both slots, so that the first refit pays for both."""
+        if (slot, fname) not in self._maps:
+            for k in fs.SLOTS:
+                self._map(k, fname)
+        return self._maps[(slot, fname)][1]
+
+    def _map(self, slot: int, fname: str) -> None:
         m = self._maps.get((slot, fname))
         if m is None:
             import mmap
@@ -686,8 +709,7 @@ class SlotMaps:
                     raise StagingError(f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
                                        "raise the locked-memory limit (ulimit -l) or stage with device='cpu'")
                 registered = True
-            m = self._maps[(slot, fname)] = (mm, t, registered)
-        return m[1]
+            self._maps[(slot, fname)] = (mm, t, registered)
 
     def buffer(self, slot: int, fname: str):
         """The mapping of a file (for digests), mapping it if needed."""

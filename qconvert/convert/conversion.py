@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, fp8_source, fused, kernels
+from ..formats import dialects
+from . import destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -57,6 +58,9 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
         inventory = qsrc.logical_inventory(inventory)
     # fused expert tensors planned as their per-expert matrices (fused.py)
     inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
+    if views and qsrc is not None:
+        raise QConvertError(f"tensor {next(iter(views.values())).source!r}: fused expert tensors in an FP8 source are "
+                            "not supported; convert a BF16 (or per-expert FP8) checkpoint")
     plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
+from ..formats.dialects import WEIGHT_SCALE_INV
 from .numerics import fp8_block
 
 KIND = "fp8-block"
-SCALE_SUFFIX = "weight_scale_inv"
+SCALE_SUFFIX = WEIGHT_SCALE_INV  # DeepSeek-style block scales (docs/formats.md#fp8-block-sources)
 SCALE_TAGS = ("F32", "BF16", "F16")
 
 

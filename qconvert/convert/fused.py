@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import PlanError
+from ..errors import PlanError, QConvertError
 
 #: a fused expert tensor: ``<prefix>.experts.gate_up_proj`` / ``.down_proj``, with or without ``.weight``
 FUSED_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<w>\.weight)?$")
@@ -37,11 +37,14 @@ PER_EXPERT_ARCHS = frozenset({"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Dee
 REFUSED_ARCHS = {
     "GptOssForCausalLM": "gpt-oss interleaves gate and up (even/odd columns) with biases and engines load its fused "
                          "names only, in their own MXFP4 format",
-    "Llama4ForConditionalGeneration": "Llama 4 is not yet supported with fused experts",
-    "Llama4ForCausalLM": "Llama 4 is not yet supported with fused experts",
+    "Llama4ForConditionalGeneration": "Llama 4's fused experts are not supported yet (not run in an engine here); "
+                                      "split them per expert first",
+    "Llama4ForCausalLM": "Llama 4's fused experts are not supported yet (not run in an engine here); "
+                         "split them per expert first",
     "MixtralForCausalLM": "transformers 5 renames Mixtral's block_sparse_moe.experts.{e}.w1/w2/w3 to mlp.experts.*; "
                           "qconvert does not rename the layer back",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE is not yet supported with fused experts",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's fused experts are not supported yet (not run in an "
+                                          "engine here); split them per expert first",
 }
 
 PROJ_OUT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -243,6 +246,16 @@ def merge_jobs(jobs: list, views: dict[str, View]) -> list:
     return [_merged_job(merged[x], views, Job) if isinstance(x, int) else x for x in out]
 
 
+def _source_words(msg: str, names, views: dict[str, View]) -> str:
+    """``msg`` with each per-expert view it quotes named as the fused tensor, expert and half."""
+    for n in names:
+        if n in views and repr(n) in msg:
+            v = views[n]
+            part = n.rsplit(".", 2)[-2]
+            msg = msg.replace(repr(n), f"{v.source!r} (expert {v.expert}, {part})")
+    return msg
+
+
 def _merged_job(parts: list, views: dict[str, View], Job):
     sources: list[str] = []
     for p in parts:
@@ -251,10 +264,25 @@ def _merged_job(parts: list, views: dict[str, View], Job):
             if real not in sources:
                 sources.append(real)
 
+    from . import kernels
+    from .jobs import run_all
+
     def fn(src):
+        done: list = [None] * len(parts)
+
+        def one(k):
+            p = parts[k]
+            try:
+                done[k] = p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources})
+            except QConvertError as e:  # name the tensor the user has, not the per-expert view
+                raise type(e)(_source_words(str(e), p.sources, views)) from None
+        # the per-expert jobs side by side, one per core, as the split checkpoint's jobs run (CPU;
+        # on a job thread kernels.workers() is 1 and they run in turn)
+        parallel = kernels.workers() > 1 and not any(p.device_input for p in parts) and len(parts) > 1
+        run_all(one, [(k,) for k in range(len(parts))], parallel)
         result = {}
-        for p in parts:
-            result.update(p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources}))
+        for d in done:
+            result.update(d)
         return result
     fmt = parts[0].fmt
     return Job(sources, [o for p in parts for o in p.outputs], fn, fmt,

@@ -17,13 +17,15 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, QConvertError
-from . import dialects, kernels
+from ..formats import dialects
+from ..formats.schemes import NVFP4_INPUT_MODES
+from . import kernels
 from .checkpoint import Checkpoint
 from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
 from .layouts import trtllm
 from .numerics import cpu_kernels
 from .numerics.mxfp8 import mxfp8_quantize
-from .numerics.nvfp4 import encode_global_scale
+from .numerics.nvfp4 import encode_global_scale, encode_global_scale_tensor
 from .options import ConvertOptions, PlanRow
 from .plan import KEEP, QUANTIZE, Plan
 from .safetensors_io import ShardReader
@@ -87,11 +89,45 @@ def quantize_nvfp4_group(xs: dict[str, torch.Tensor], check: bool, recipe: str, 
     else:
         amaxes = {n: kernels.abs_max(x).float() for n, x in xs.items()}
         g = torch.stack(list(amaxes.values())).amax()
-        finite = bool(torch.isfinite(g))
+        finite = bool(torch.isfinite(g)) if check else True  # a host sync: only when it is asked for
     if check and not finite:
         raise non_finite_error(next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a)))))
     return g, {n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
                for n, x in xs.items()}
+
+
+#: Devices on which tensors of one shape (a layer's experts) are quantized to MXFP8 as one stack:
+#: one kernel launch instead of one per tensor, the same bytes (MXFP8 blocks lie within a row). On
+#: CPU they are quantized side by side on the cores instead. Tests add "cpu" to run this path.
+STACKED_DEVICES = {"cuda"}
+
+
+def quantize_mxfp8_stacked(names: list[str], xs: list[torch.Tensor], check: bool, blocks_fn):
+    """:func:`quantize_mxfp8` of tensors of one shape, stacked: ``(q [N, ...], s [N, ...])``; with
+    ``check``, one host sync for all of them, naming the first tensor that holds NaN/Inf."""
+    q, s = mxfp8_quantize(torch.stack(xs), workers=kernels.workers(), blocks_fn=blocks_fn)
+    if check:
+        bad = (s == 255).reshape(len(xs), -1).any(dim=1)
+        if bool(bad.any()):
+            raise non_finite_error(names[int(bad.nonzero()[0, 0])])
+    return q, s
+
+
+def mxfp8_stack_job(jobs: list["Job"], device: str, check: bool) -> "Job":
+    """One job for plain MXFP8 jobs (:func:`mxfp8_job`) whose sources share a shape, quantized as a
+    stack (:func:`quantize_mxfp8_stacked`); each output is what its own job gives, byte for byte."""
+    blocks_fn = kernels.blocks_fn("mxfp8", device)
+    names = [j.sources[0] for j in jobs]
+
+    def fn(src):
+        xs = [src[n].to(device, non_blocking=True) if device != "cpu" else src[n] for n in names]
+        q, s = quantize_mxfp8_stacked(names, xs, check, blocks_fn)
+        out = {}
+        for i, j in enumerate(jobs):
+            out[j.outputs[0].name] = q[i]
+            out[j.outputs[1].name] = s[i]
+        return out
+    return Job(names, [o for j in jobs for o in j.outputs], fn, "mxfp8", device_input=device != "cpu")
 
 
 def keep_job(name: str, dtype: torch.dtype, shape: tuple, check: bool) -> Job:
@@ -132,7 +168,9 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
             result[outs[0].name] = packed  # the writer thread copies device tensors back
             result[outs[1].name] = scale
             if dialect == "modelopt":
-                result[outs[2].name] = scale_2.cpu().reshape(())
+                result[outs[2].name] = scale_2.reshape(())  # the writer copies device tensors back
+            elif isinstance(g, torch.Tensor) and g.device.type != "cpu":  # no host sync per group
+                result[outs[2].name] = encode_global_scale_tensor(g, opts.recipe)
             else:
                 # encode convention: S_enc = 2688/g (1536/g for 4over6), fp32, clamped at FLT_MAX
                 result[outs[2].name] = torch.tensor([encode_global_scale(g, opts.recipe)], dtype=torch.float32)
@@ -187,7 +225,7 @@ def build_jobs(plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> B
     check = not opts.allow_non_finite
     input_scales = None
     if scheme == "nvfp4":
-        if opts.input_mode not in dialects.NVFP4_INPUT_MODES:
+        if opts.input_mode not in NVFP4_INPUT_MODES:
             raise QConvertError(f"unknown input-scale mode {opts.input_mode!r}")
         if opts.input_mode == "copied":
             if not opts.input_scales_from:
@@ -327,6 +365,12 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
                         check_finite(experts[e][p].name, src[experts[e][p].name])
             return {"w13_weight": stack13([(get(src, e, "gate_proj"), get(src, e, "up_proj")) for e in es]),
                     "w2_weight": torch.stack([get(src, e, "down_proj") for e in es])}
+        if scheme == "mxfp8" and device in STACKED_DEVICES:  # one launch per projection, not per expert
+            st = {p: quantize_mxfp8_stacked([experts[e][p].name for e in es], [get(src, e, p) for e in es], check,
+                                            blocks_fn) for p in ("gate_proj", "up_proj", "down_proj")}
+            return {"w13_weight": torch.cat([st["gate_proj"][0], st["up_proj"][0]], dim=1),
+                    "w13_weight_scale": torch.cat([st["gate_proj"][1], st["up_proj"][1]], dim=1),
+                    "w2_weight": st["down_proj"][0], "w2_weight_scale": st["down_proj"][1]}
         if scheme == "mxfp8":
             q = {(e, p): quantize_mxfp8(experts[e][p].name, get(src, e, p), check, blocks_fn)
                  for e in es for p in ("gate_proj", "up_proj", "down_proj")}

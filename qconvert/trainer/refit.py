@@ -169,7 +169,9 @@ class Refitter:
                  engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
                  lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
                  pause: str | None = None, verify: bool = False, hash_threads: int | None = None):
-        from qconvert.convert import dialects
+        from qconvert.formats import dialects
+        from qconvert.formats.manifest import LAYOUT_KEY, MANIFEST_NAME, VERSION_KEY
+        from qconvert.convert import jobs as jobs_mod
         from qconvert.convert.jobs import build_jobs
         from qconvert.convert.metadata import module_formats, output_config, scheme_keys
         from qconvert.convert.options import ConvertOptions
@@ -210,9 +212,12 @@ class Refitter:
         self._check_group = self._batched and not opts.allow_non_finite
         built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
 
+        jobs_list = built.jobs
+        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape MXFP8 tensors in one launch
+            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, not (opts.allow_non_finite or self._check_group))
         # layer groups: which jobs each needs, and which source tensors complete it
         group_jobs: dict[tuple, list] = {}
-        for j in built.jobs:
+        for j in jobs_list:
             keys = {staging.group_key(o.name) for o in j.outputs}
             if len(keys) != 1:
                 raise RefitError(f"a converter job spans several layers ({sorted(keys)}); cannot stage it per layer")
@@ -252,15 +257,15 @@ class Refitter:
         layout = None
         extra_files = {fname: (json.dumps(obj, indent=2) + "\n").encode() for fname, obj in extra.items()}
         extra_files["config.json"] = (json.dumps(out_config, indent=2) + "\n").encode()
-        manifest = {"qconvert_version": __version__, "scheme": scheme, "dialect": dialect,
+        manifest = {VERSION_KEY: __version__, "scheme": scheme, "dialect": dialect,
                     "engines": dialects.engines_for(scheme, dialect),
                     "source": {"id": str(self.reference.resolve()), "architecture": plan.arch_name, "refit": True},
                     "exclusions": plan.exclusions, **scheme_keys(scheme, dialect, opts)}
         if opts.layout:
             from qconvert.convert.layout_jobs import layout_manifest
-            layout = manifest["layout"] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
+            layout = manifest[LAYOUT_KEY] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
         manifest["tensors"] = module_formats(plan, scheme)
-        extra_files["qconvert.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
+        extra_files[MANIFEST_NAME] = (json.dumps(manifest, indent=2) + "\n").encode()
         for fname, data in _reference_files(self.reference, set(extra_files) | {staging.INDEX}).items():
             extra_files.setdefault(fname, data)
         contract = staging.layout_contract(out_config, outputs, layout)
@@ -571,6 +576,23 @@ class Refitter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stack_mxfp8(jobs: list, inv: dict, device: str, check: bool) -> list:
+    """Plain MXFP8 jobs of one layer group whose sources share a shape (the experts) merged into
+    one stacked job each (jobs.mxfp8_stack_job); every other job as it is."""
+    from qconvert.convert.jobs import mxfp8_stack_job
+
+    out, bins = [], {}
+    for j in jobs:
+        if j.fmt == "mxfp8" and len(j.sources) == 1 and len(j.outputs) == 2:
+            key = (staging.group_key(j.sources[0]), inv[j.sources[0]])
+            bins.setdefault(key, []).append(j)
+        else:
+            out.append(j)
+    for js in bins.values():
+        out.append(js[0] if len(js) == 1 else mxfp8_stack_job(js, device, check))
+    return out
 
 
 def _run_copy(whole: torch.Tensor, run: list) -> tuple[torch.Tensor, torch.Tensor]:
