@@ -838,9 +838,10 @@ class _Verifier:
         if fmt == "mxfp8" and recipe == MXFP8_RECIPE:
             from .convert.numerics.mxfp8 import mxfp8_quantize
             q_ref, s_ref = mxfp8_quantize(x)
-            if self.fp8:  # the power-of-two blocks of an FP8 source keep their bytes
-                from .convert.fp8_source import mxfp8_reference
-                w = f"{m.name}.weight"
+            tinfo = ((self.dst.manifest or {}).get("tensors") or {}).get(m.name)
+            from .convert.fp8_source import BYTES_KEPT, mxfp8_reference
+            if self.fp8 and isinstance(tinfo, dict) and tinfo.get("source_path") in BYTES_KEPT:
+                w = f"{m.name}.weight"  # the conversion kept the power-of-two blocks' E4M3 bytes
                 mxfp8_reference(self.fp8, w, self._src_readers[self._src_shard[w]], q_ref, s_ref)
             sc = ts[m.scale_suffix].view(torch.uint8)
             bad_s = (sc != s_ref).nonzero()

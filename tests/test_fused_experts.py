@@ -295,10 +295,12 @@ def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+def test_vllm_loads_fused_source_conversion(fused_dirs, demo_moe, tmp_path):
     """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
     CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
-    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized. The fused BF16
+    source itself also loads in vLLM 0.32 (its Qwen3-MoE loader reads fused names) with the split
+    source's logprobs, which ``verify --check-in-engine vllm`` relies on for a fused SRC."""
     pytest.importorskip("vllm")
     from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
                                       convert_with_qconvert, make_dequantized)
@@ -308,7 +310,12 @@ def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
     ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
     dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
     jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    jobs += [{"model": demo_moe}, {"model": fused_dirs["out_in"]}]
     res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    split, fz = res[-2]["stages"][0], res[-1]["stages"][0]
+    assert _all_finite(fz)
+    assert compare_logprobs(split["score"], fz["score"])["max_abs_logprob_diff"] == 0.0
+    assert split["tokens"] == fz["tokens"]
     for i, k in enumerate(keys):
         ref, q = res[i], res[len(keys) + i]
         st, st_ref = q["stages"][0], ref["stages"][0]
