@@ -66,8 +66,8 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     built = build_jobs(plan, opts.scheme, dialect, opts)
     built.jobs = fused.merge_jobs(built.jobs, views)
     if qsrc is not None:
-        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
+        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
     return ckpt, plan, dialect, built
 
 
