@@ -244,6 +244,8 @@ def test_dry_run_lists_per_expert_rows(fused_dirs, demo_moe):
     b = convert(str(fused_dirs["out_in"]), None, opts=ConvertOptions(scheme="mxfp8", dry_run=True))
     assert sorted(r.module for r in a.rows) == sorted(r.module for r in b.rows)
     assert any(r.sources == ("model.layers.0.mlp.experts.0.gate_proj.weight",) for r in b.rows)
+    assert f"{2 * len(b.plan.moe_layers)} fused expert tensors ([E, out, in]) read per expert" in "\n".join(b.notes)
+    assert not any("fused expert" in n for n in a.notes)
 
 
 @pytest.fixture(scope="module")

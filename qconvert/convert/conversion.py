@@ -65,6 +65,8 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)
     built.jobs = fused.merge_jobs(built.jobs, views)
+    if views:
+        plan.notes.append(fused.plan_note(views))
     if qsrc is not None:
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
         plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))

@@ -200,6 +200,16 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     return out, views
 
 
+def plan_note(views: dict[str, View]) -> str | None:
+    """The summary's line about fused expert tensors read per expert (None without any)."""
+    if not views:
+        return None
+    n = len({v.source for v in views.values()})
+    form = "[E, out, in]" if next(iter(views.values())).orientation == OUT_IN else "[E, in, out] (transposed)"
+    return (f"{n} fused expert tensors ({form}) read per expert and written as experts.{{e}}.gate_proj/up_proj/"
+            "down_proj, the names engines load (docs/formats.md#fused-expert-tensors)")
+
+
 def view(fused, v: View):
     """Expert ``v.expert``'s [out, in] matrix of tensor ``fused`` as a contiguous tensor (a copy
     where the fused tensor is stored [E, in, out])."""
