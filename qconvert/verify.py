@@ -269,17 +269,17 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
 
 def _nvfp4_groups(mods: dict[str, Module]) -> dict[str, list[str]]:
     """NVFP4 module -> the modules whose source amax gives its global scale (the converter's fused
-    groups: q/k/v, gate/up of an MLP or an expert; plan._group_id), itself included."""
+    groups: q/k/v, gate/up of an MLP or an expert; plan.group_id), itself included."""
     from types import SimpleNamespace
 
-    from .convert.plan import _classify, _group_id
+    from .convert.plan import classify, group_id
 
     groups: dict[str, list[str]] = {}
     for m in mods.values():
         if m.format != "nvfp4" or m.stacked or len(m.shape) != 2:
             continue
-        kind = _classify(m.name + ".weight", tuple(m.shape))[0]
-        gid = _group_id(SimpleNamespace(module=m.name)) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        kind = classify(m.name + ".weight", tuple(m.shape))[0]
+        gid = group_id(SimpleNamespace(module=m.name)) if kind in ("attn", "mlp", "expert", "shared_expert") else None
         groups.setdefault(gid or m.name, []).append(m.name)
     return {n: members for members in groups.values() for n in members}
 
@@ -575,7 +575,7 @@ class _Verifier:
 
     # -- exclusion list ---------------------------------------------------------------------------
     def _check_exclusions(self):
-        from .convert.plan import _classify
+        from .convert.plan import classify
 
         det, dst = self.det, self.dst
         if det.scheme not in ("mxfp8", "nvfp4"):
@@ -608,7 +608,7 @@ class _Verifier:
         for m in self.mods.values():
             if m.stacked or len(m.shape) != 2:
                 continue
-            kind, _, _ = _classify(m.name + ".weight", tuple(m.shape))
+            kind, _, _ = classify(m.name + ".weight", tuple(m.shape))
             if kind in ("embed", "norm"):
                 continue
             quant = m.format in ("mxfp8", "nvfp4")

@@ -64,7 +64,7 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
             local_files_only=not allow_download or os.environ.get("HF_HUB_OFFLINE") == "1",
         )
     except Exception as e:  # HTTP errors, LocalEntryNotFoundError, network errors
-        from ..hub import hub_error_line
+        from ..hub_errors import hub_error_line
 
         raise CheckpointError(f"{src}: not a local directory, and not downloaded: {hub_error_line(e)}") from None
     rev = Path(path).name

@@ -134,7 +134,7 @@ def natural_key(s: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
 
 
-def _classify(name: str, shape) -> tuple[str, str | None, int | None]:
+def classify(name: str, shape) -> tuple[str, str | None, int | None]:
     """(kind, module, layer) from the tensor name alone."""
     module = name[: -len(".weight")] if name.endswith(".weight") else None
     m = LAYER_RE.match(name)
@@ -161,7 +161,7 @@ def _classify(name: str, shape) -> tuple[str, str | None, int | None]:
     return "other", module, layer
 
 
-def _group_id(t: TensorPlan) -> str | None:
+def group_id(t: TensorPlan) -> str | None:
     if t.module is None:
         return None
     parent, last = t.module.rsplit(".", 1) if "." in t.module else ("", t.module)
@@ -259,13 +259,13 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
         if dtype in FP8_TAGS:  # a kept FP8 tensor would be copied as if it were BF16
             raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints: "
                             "dequantize it (or the checkpoint) to BF16 first")
-        kind, module, layer = _classify(name, shape)
+        kind, module, layer = classify(name, shape)
         for pat, want, desc in shape_rules:
             if pat.search(name) and shape != want:
                 raise PlanError(f"tensor {name!r} has shape {list(shape)} but config.json implies {list(want)} "
                                 f"({desc}); the weights do not belong to this config.json")
         t = TensorPlan(name, dtype, shape, KEEP, "", module, layer, kind)
-        t.group = _group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        t.group = group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
         if module is None:
             t.decide(KEEP, Reason.NOT_A_WEIGHT)
         elif len(shape) == 3 and kind != "norm" and ".experts" in name:
