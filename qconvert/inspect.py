@@ -173,7 +173,8 @@ def fused_note(ck) -> list[str]:
     try:
         _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
     except QConvertError as e:
-        return [f"fused expert tensors: qconvert refuses them: {e}"]
+        code = getattr(e, "code", None)
+        return [f"fused expert tensors: qconvert refuses them" + (f" ({code.value})" if code else "") + f": {e}"]
     if not views:
         return []
     n = len({v.source for v in views.values()})
