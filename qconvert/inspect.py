@@ -14,7 +14,7 @@ checkpoint and renders the report.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .convert.checkpoint import CheckpointDir, open_checkpoint
@@ -27,10 +27,6 @@ from .formats.manifest import find_layouts
 from .formats.schemes import BLOCK
 
 # ---- reading a checkpoint (headers only) --------------------------------------------------------
-
-#: what inspect and verify read: the one checkpoint-directory reader's result
-CheckpointFiles = CheckpointDir
-
 
 def read_checkpoint(path: str | Path) -> CheckpointDir:
     """Config, optional hf_quant_config / manifest / index, and every shard header, read leniently
