@@ -368,13 +368,13 @@ def test_worker_error_line_from_a_vllm_traceback():
 
 def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
     import qconvert.verify as V
-    from qconvert.inspect import detect
+    from qconvert.formats.detect import Code, detect, finding
 
     dst = run_convert(demo_dense, tmp_path / "q", "mxfp8", "auto")
 
     def wordy(*a, **kw):
-        d = detect(*a, **kw)
-        d.notes.append("the README says this is a test; config.json declares nothing")  # informational only
+        d = detect(*a, **kw)  # an informational finding whose text has the words a conflict's text has
+        d.findings.append(finding(Code.UNKNOWN_QUANT_METHOD, method="the README says this is a test; config.json declares nothing"))
         return d
     monkeypatch.setattr(V, "detect", wordy)
     r = verify(str(demo_dense), str(dst))

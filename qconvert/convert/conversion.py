@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, fp8_source, fused, kernels
+from ..formats import dialects
+from . import destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -64,9 +65,11 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)
     built.jobs = fused.merge_jobs(built.jobs, views)
+    if views:
+        plan.notes.append(fused.plan_note(views))
     if qsrc is not None:
-        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
+        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
     return ckpt, plan, dialect, built
 
 

@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
 
 
 class StagedLoadError(QConvertError):
@@ -177,7 +178,7 @@ def _layout_of(view) -> dict | None:
     """The ``layout`` of a pre-shuffled area (``qconvert.json`` beside its files), or None."""
     from qconvert.engine.vllm_layout_loader import read_layout
 
-    if "qconvert.json" not in view.extra_files:
+    if MANIFEST_NAME not in view.extra_files:
         return None
     return read_layout(view.root)
 
