@@ -422,3 +422,22 @@ def test_config_without_sizes_refused(split_tensors, config):
     with pytest.raises(PlanError, match="moe_intermediate_size") as ei:
         fused.expand(inv, cfg, "/x/config.json")
     assert ei.value.code == Refusal.CONFIG_KEYS and "/x/config.json" in str(ei.value)
+
+
+@pytest.mark.parametrize("pattern", ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj*"])
+def test_keep_bf16_naming_a_fused_tensor_keeps_its_layer(pattern, demo_moe, fused_dirs, tmp_path):
+    """``--keep-bf16`` with the fused name the user sees keeps that layer's experts BF16, as the
+    split checkpoint's ``--keep-bf16 'model.layers.1.mlp.experts.*'`` does, byte for byte."""
+    src = fused_dirs["out_in"] if "*" not in pattern else fused_dirs["in_out_w"]
+    a = convert(str(demo_moe), tmp_path / "split", opts=ConvertOptions(
+        scheme="mxfp8", plan=PlanOptions(keep_bf16=("model.layers.1.mlp.experts.*",)), fsync=False))
+    b = convert(str(src), tmp_path / "fused", opts=ConvertOptions(
+        scheme="mxfp8", plan=PlanOptions(keep_bf16=(pattern,)), fsync=False))
+    assert "model.layers.1.mlp.experts" in b.plan.exclusions
+    assert a.plan.exclusions == b.plan.exclusions
+    assert not any("matched no tensor" in n for n in b.notes)
+    ta, tb = _load_dir(tmp_path / "split"), _load_dir(tmp_path / "fused")
+    assert ta.keys() == tb.keys()
+    assert tb["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
+    for n in ta:
+        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n

@@ -200,6 +200,24 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     return out, views
 
 
+def keep_patterns(patterns: tuple[str, ...], views: dict[str, View]) -> tuple[str, ...]:
+    """``--keep-bf16`` patterns with each one that names a fused tensor (``…experts.gate_up_proj``,
+    as the user sees it in the checkpoint) and no per-expert tensor replaced by ``<prefix>.experts.*``
+    for the layers it names: a MoE layer is kept or quantized whole, so that keeps the layer's experts."""
+    import fnmatch
+    sources = sorted({v.source for v in views.values()})
+    out: list[str] = []
+    for p in patterns:
+        if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n[: -len(".weight")], p) for n in views):
+            out.append(p)
+            continue
+        hit = [n for n in sources if fnmatch.fnmatchcase(n, p) or
+               (n.endswith(".weight") and fnmatch.fnmatchcase(n[: -len(".weight")], p))]
+        prefixes = sorted({FUSED_RE.match(n).group("prefix") for n in hit})
+        out += [f"{x}.*" for x in prefixes] if prefixes else [p]
+    return tuple(dict.fromkeys(out))
+
+
 def plan_note(views: dict[str, View]) -> str | None:
     """The summary's line about fused expert tensors read per expert (None without any)."""
     if not views:
