@@ -14,7 +14,7 @@ checkpoint and renders the report.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .convert.checkpoint import CheckpointDir, open_checkpoint
@@ -27,10 +27,6 @@ from .formats.manifest import find_layouts
 from .formats.schemes import BLOCK
 
 # ---- reading a checkpoint (headers only) --------------------------------------------------------
-
-#: what inspect and verify read: the one checkpoint-directory reader's result
-CheckpointFiles = CheckpointDir
-
 
 def read_checkpoint(path: str | Path) -> CheckpointDir:
     """Config, optional hf_quant_config / manifest / index, and every shard header, read leniently
@@ -173,7 +169,8 @@ def fused_note(ck) -> list[str]:
     try:
         _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
     except QConvertError as e:
-        return [f"fused expert tensors: qconvert refuses them: {e}"]
+        code = getattr(e, "code", None)
+        return [f"fused expert tensors: qconvert refuses them" + (f" ({code.value})" if code else "") + f": {e}"]
     if not views:
         return []
     n = len({v.source for v in views.values()})

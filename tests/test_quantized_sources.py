@@ -297,3 +297,19 @@ def test_moe_layout_from_fp8_source(demo_moe, tmp_path, scheme, extra):
     assert r.ok, r.failures
     got = {x.module: x.lossless for x in r.tensors}
     assert got[e0] is (scheme == "mxfp8") and got["model.layers.1.mlp.experts.0.gate_proj"] is False
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_bad_fp8_source_in_a_fresh_process(demo_dense, tmp_path, scheme):
+    """As a user runs it: exit 1, one line naming the tensor, no traceback or abort, no DST and no
+    partial directory left (the bad scale is met by a job thread in the middle of the run)."""
+    from test_hostile_convert import assert_one_line, cli
+
+    def poison(ts):
+        ts["model.layers.2.mlp.down_proj.weight_scale_inv"][0, 1] = -1.0
+    src, _ = make_fp8_source(demo_dense, tmp_path / "src", mutate=poison)
+    for i in range(3):  # the error is raised on a job thread: repeat the race at exit
+        dst = tmp_path / f"out{i}"
+        r = cli(scheme, src, dst)
+        assert_one_line(r, 1, "model.layers.2.mlp.down_proj.weight_scale_inv", "[0, 1]")
+        assert not dst.exists() and not any(p.name.startswith(f".out{i}") for p in tmp_path.iterdir())

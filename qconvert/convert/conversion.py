@@ -4,6 +4,7 @@ install DST. Each step lives in a module of its own (options, jobs, runner, meta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -61,10 +62,15 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     if views and qsrc is not None:
         raise QConvertError(f"tensor {next(iter(views.values())).source!r}: fused expert tensors in an FP8 source are "
                             "not supported; convert a BF16 (or per-expert FP8) checkpoint")
-    plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
+    popts = opts.plan
+    if views and popts.keep_bf16:  # --keep-bf16 naming a fused tensor keeps its layer's experts
+        popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, views))
+    plan = build_plan(inventory, ckpt.config, popts, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)
     built.jobs = fused.merge_jobs(built.jobs, views)
+    if views:
+        plan.notes.append(fused.plan_note(views))
     if qsrc is not None:
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
         plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))

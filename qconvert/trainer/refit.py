@@ -203,7 +203,11 @@ class Refitter:
         config, inv = reference_inventory(self.reference)
         inv, self._views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
         self._config, self._inv = config, inv
-        plan = build_plan(inv, config, opts.plan)
+        popts = opts.plan
+        if self._views and popts.keep_bf16:  # as the converter: a fused name keeps its layer's experts
+            import dataclasses
+            popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, self._views))
+        plan = build_plan(inv, config, popts)
         scheme = opts.scheme
         dialect = dialects.resolve_dialect(scheme, opts.dialect)
         # On CUDA the jobs' own NaN/Inf checks cost a host sync per tensor (hundreds per MoE layer):
