@@ -48,6 +48,12 @@ ANY_LIST_KEYS = (IGNORE, EXCLUDE_MODULES, MODULES_TO_NOT_CONVERT)
 ALL_KEYS = (IGNORED_LAYERS, MODULES_TO_NOT_CONVERT, IGNORE, EXCLUDE_MODULES)
 
 
+def config_where(key: str) -> str:
+    """Where a config.json exclusion list lives, as :attr:`Detection.exclusion_keys` names it (and
+    ``verify`` and ``inspect`` print it)."""
+    return f"config.json quantization_config.{key}"
+
+
 def first_list(qc: dict) -> list[str] | None:
     """The exclusion list of a quantization_config (the first of :data:`ANY_LIST_KEYS` present), sorted."""
     for k in ANY_LIST_KEYS:
