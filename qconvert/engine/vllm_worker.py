@@ -13,9 +13,15 @@ loads without a copy or a header parse, each rank reading its own files (``qconv
 from __future__ import annotations
 
 
-def repack_cpu_moe_after_reload(model) -> int:
+def repack_cpu_moe_after_reload(model, scratch: dict | None = None) -> int:
     """Prepack the experts of every CPU unquantized MoE layer in place (vLLM 0.32 CPU); returns the
-    number of layers. Only valid right after a reload that wrote every layer (what qconvert sends)."""
+    number of layers. Only valid right after a reload that wrote every layer (what qconvert sends).
+
+    ``scratch`` (kept by the caller across reloads): one buffer per expert tensor shape that the
+    prepack writes into before the copy back, so a reload does not allocate and first-touch a new
+    tensor of every expert's bytes each time (the larger half of the repack's time, measured by
+    scripts/bench_reload.py); memory: one layer's w13 and w2."""
+    import torch
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -30,9 +36,17 @@ def repack_cpu_moe_after_reload(model) -> int:
             continue
         for name in ("w13_weight", "w2_weight"):
             p = getattr(m, name)
-            # the op writes a new tensor and only reads its input (vLLM passes the parameter itself):
-            # no clone of the input, one copy back into the parameter's storage
-            p.data.copy_(ops.cpu_prepack_moe_weight(p.data, fe.isa))
+            # the op only reads its input (vLLM passes the parameter itself): no clone of it; it
+            # writes its output, which is copied back into the parameter's storage
+            if scratch is None:
+                p.data.copy_(ops.cpu_prepack_moe_weight(p.data, fe.isa))
+                continue
+            key = (tuple(p.shape), p.dtype)
+            buf = scratch.get(key)
+            if buf is None:
+                buf = scratch[key] = torch.empty_like(p.data)
+            torch.ops._C.prepack_moe_weight(p.data, buf, fe.isa)  # the body of ops.cpu_prepack_moe_weight
+            p.data.copy_(buf)
         n += 1
     return n
 
@@ -63,8 +77,9 @@ class WorkerExtension:
     def qconvert_repack_cpu_moe(self) -> int:
         import torch
 
+        scratch = self.__dict__.setdefault("_qconvert_prepack_scratch", {})
         with torch.no_grad():
-            return repack_cpu_moe_after_reload(self.model_runner.get_model())
+            return repack_cpu_moe_after_reload(self.model_runner.get_model(), scratch)
 
     def qconvert_load_preshuffled(self, path: str) -> dict:
         """Load a pre-shuffled (flashinfer-trtllm layout) checkpoint: see vllm_layout_loader."""

@@ -61,6 +61,18 @@ def first_list(qc: dict) -> list[str] | None:
 CT_REGEX_PREFIX = "re:"
 
 
+def whole_layer_entry(layers_prefix: str, layer: int) -> str:
+    """A whole BF16 layer: ``model.layers.{i}.`` (the trailing dot keeps ``layers.1.`` from matching
+    ``layers.10``; docs/formats.md#exclusion-entry-forms)."""
+    return f"{layers_prefix}.{layer}."
+
+
+def experts_entry(expert_module: str) -> str:
+    """A BF16 MoE layer's experts module (``...mlp.experts``) from one expert's module
+    (``...mlp.experts.{e}.gate_proj``): SGLang's ModelOpt FusedMoE matcher needs the module itself."""
+    return expert_module.split(".experts.")[0] + ".experts"
+
+
 def ct_ignore(exclusions: list[str]) -> list[str]:
     """compressed-tensors matches exact names or ``re:`` regexes (re.match): a whole-layer
     ``model.layers.{i}.`` entry becomes an anchored regex, everything else stays exact."""
