@@ -40,7 +40,7 @@ from .errors import QConvertError
 from .formats.detect import Module, detect, modules_of, split_name
 from .formats.dialects import (KEPT_SUFFIXES, NVFP4_WEIGHT_SUFFIXES, REQUIRED_SUFFIXES, WEIGHT,
                                WEIGHT_GLOBAL_SCALE, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_2, accepted_tensors)
-from .formats.exclusions import EXCLUSION_KEYS, SGLANG, SGLANG_MODELOPT, matchers
+from .formats.exclusions import EXCLUSION_KEYS, SGLANG, SGLANG_MODELOPT, config_where, matchers
 from .formats.manifest import MANIFEST_NAME, find_layouts, layout_section
 from .formats.schemes import (ALL_RECIPES, BLOCK, BLOCK_BOUND, DEFAULT_MAX_REL_ERR, DEFAULT_NVFP4_RECIPE, MXFP8_RECIPE,
                                NVFP4_RECIPES)
@@ -590,7 +590,7 @@ class _Verifier:
             lists[f"{MANIFEST_NAME} exclusions"] = list(man["exclusions"])
         need = EXCLUSION_KEYS.get((det.scheme, det.dialect), ())
         for key in need:
-            if not any(w.endswith("quantization_config." + key) for w in lists):
+            if config_where(key) not in lists:
                 self.fail("exclusions", f"{dst.root / 'config.json'}: quantization_config.{key} is missing; the "
                                         f"{det.dialect} dialect keeps its exclusion list there — re-run the conversion")
         if not lists:

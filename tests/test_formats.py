@@ -48,8 +48,9 @@ def _keyword_values(tree: ast.AST) -> set[int]:
 
 
 def test_contract_literals_are_spelled_only_in_formats():
+    """qconvert/ and scripts/: every contract literal comes from qconvert/formats/."""
     found = []
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted([*PKG.rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith("qconvert/formats/"):
             continue
@@ -229,3 +230,14 @@ def test_manifest_accessors():
     assert manifest.layout_section(man) == {"contracts": {"nvfp4": lay}}
     assert manifest.layout_section({manifest.LAYOUT_KEY: {}}) is None and manifest.layout_section([]) is None
     assert manifest.find_layouts(man) == [lay]
+
+
+def test_exclusion_entry_forms():
+    assert exclusions.whole_layer_entry("model.layers", 1) == "model.layers.1."
+    assert exclusions.experts_entry("model.layers.3.mlp.experts.7.gate_proj") == "model.layers.3.mlp.experts"
+    # the whole-layer form means layer 1 only, under every matcher that reads it
+    e = [exclusions.whole_layer_entry("model.layers", 1)]
+    for p, want in (("model.layers.1.mlp.down_proj", True), ("model.layers.10.mlp.down_proj", False)):
+        assert exclusions.sglang_dotted_excluded(p, e) is want
+        assert exclusions.vllm_substring_excluded(p, e) is want
+        assert exclusions.ct_excluded(p, exclusions.ct_ignore(e)) is want

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import PlanError
+from ..formats.exclusions import experts_entry, whole_layer_entry
 from ..formats.schemes import SCHEME_BLOCK
 from .architectures import (EXPERT_RE, LAYER_RE, Arch, arch_of, check_config, expected_shapes, layer_key, num_layers,
                             tie_word_embeddings)
@@ -381,7 +382,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
     for t in tensors.values():
         if t.layer is not None and t.layer in bf16_layers and t.layer not in layer_prefix:
             m = LAYER_RE.match(t.name)
-            layer_prefix[t.layer] = f"{m.group('prefix')}.{t.layer}."
+            layer_prefix[t.layer] = whole_layer_entry(m.group('prefix'), t.layer)
     entries |= set(layer_prefix.values())
     expert_prefixes_kept: set[str] = set()
     expert_prefixes_quant: set[str] = set()
@@ -389,7 +390,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
         if t.module is None:
             continue
         if t.kind == "expert":
-            pre = t.module.split(".experts.")[0] + ".experts"
+            pre = experts_entry(t.module)
             (expert_prefixes_kept if t.action == KEEP else expert_prefixes_quant).add(pre)
             continue
         if t.action == KEEP:

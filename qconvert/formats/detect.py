@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .dialects import (HF_QUANT_CONFIG, SUFFIXES, WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV)
 from .exclusions import (COMPRESSED_TENSORS_READ_KEYS, EXCLUDE_MODULES, FP8_READ_KEYS, IGNORED_LAYERS,
-                         MODELOPT_READ_KEYS, MODULES_TO_NOT_CONVERT, MXFP8_READ_KEYS)
+                         MODELOPT_READ_KEYS, MODULES_TO_NOT_CONVERT, MXFP8_READ_KEYS, config_where)
 from .manifest import MANIFEST_NAME, is_qconvert
 from .schemes import MXFP8_BLOCK, SCALE_TAGS
 
@@ -29,6 +29,12 @@ QUANTIZED_FORMATS = ("mxfp8", "nvfp4", "fp8", "fp8-block")
 UNVERIFIABLE = ("unknown", "fp8", "fp8-block")
 #: ModelOpt quant_method values
 MODELOPT_METHODS = ("modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_fp8")
+
+
+def hf_quant_where(key: str = EXCLUDE_MODULES) -> str:
+    """Where ``hf_quant_config.json``'s exclusion list lives, named as exclusions.config_where names
+    config.json's (the keys of :attr:`Detection.exclusion_keys`)."""
+    return f"{HF_QUANT_CONFIG} quantization.{key}"
 
 
 def role_tag(dtype: str) -> str:
@@ -210,7 +216,7 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
     def grab(names):
         for n in names:
             if n in qc:
-                keys[f"config.json quantization_config.{n}"] = list(qc.get(n) or [])
+                keys[config_where(n)] = list(qc.get(n) or [])
 
     if method == "mxfp8" or (method == "fp8" and "mxfp8" in formats):
         scheme = "mxfp8"
@@ -244,7 +250,7 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
         if hf_quant_config:
             hq = hf_quant_config.get("quantization") or {}
             if EXCLUDE_MODULES in hq:
-                keys[f"{HF_QUANT_CONFIG} quantization.{EXCLUDE_MODULES}"] = list(hq.get(EXCLUDE_MODULES) or [])
+                keys[hf_quant_where(EXCLUDE_MODULES)] = list(hq.get(EXCLUDE_MODULES) or [])
         if producer == "unknown":
             producer = "modelopt"
     elif method == "compressed-tensors":

@@ -48,6 +48,12 @@ ANY_LIST_KEYS = (IGNORE, EXCLUDE_MODULES, MODULES_TO_NOT_CONVERT)
 ALL_KEYS = (IGNORED_LAYERS, MODULES_TO_NOT_CONVERT, IGNORE, EXCLUDE_MODULES)
 
 
+def config_where(key: str) -> str:
+    """Where a config.json exclusion list lives, as :attr:`Detection.exclusion_keys` names it (and
+    ``verify`` and ``inspect`` print it)."""
+    return f"config.json quantization_config.{key}"
+
+
 def first_list(qc: dict) -> list[str] | None:
     """The exclusion list of a quantization_config (the first of :data:`ANY_LIST_KEYS` present), sorted."""
     for k in ANY_LIST_KEYS:
@@ -59,6 +65,18 @@ def first_list(qc: dict) -> list[str] | None:
 # ---- forms --------------------------------------------------------------------------------------
 
 CT_REGEX_PREFIX = "re:"
+
+
+def whole_layer_entry(layers_prefix: str, layer: int) -> str:
+    """A whole BF16 layer: ``model.layers.{i}.`` (the trailing dot keeps ``layers.1.`` from matching
+    ``layers.10``; docs/formats.md#exclusion-entry-forms)."""
+    return f"{layers_prefix}.{layer}."
+
+
+def experts_entry(expert_module: str) -> str:
+    """A BF16 MoE layer's experts module (``...mlp.experts``) from one expert's module
+    (``...mlp.experts.{e}.gate_proj``): SGLang's ModelOpt FusedMoE matcher needs the module itself."""
+    return expert_module.split(".experts.")[0] + ".experts"
 
 
 def ct_ignore(exclusions: list[str]) -> list[str]:
