@@ -343,3 +343,35 @@ def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
         assert srv.greedy() == original
     finally:
         srv.stop()
+
+
+def test_refit_area_reloads_through_the_extension(demo_moe, shm_root, monkeypatch):
+    """A version 2 area written by qconvert's Refitter: ``Refitter.reload`` (``shm:NAME``) reaches
+    the worker extension with the area's root, and what the worker hands vLLM equals what the
+    safetensors library reads from the committed slot's files."""
+    from qconvert.client.vllm_client import reload_vllm
+    from qconvert.convert.options import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.trainer.refit import Refitter
+
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, fsync=False)
+    src = _source_tensors(demo_moe)
+    with Refitter(demo_moe, opts, "policy") as r:
+        r.stage(sorted(src.items(), key=lambda kv: (staging.group_key(kv[0]), kv[0])))
+        staged = r.commit()
+    area = shm_root / "policy"
+    view = fmt.read_area(area)
+    assert view.format == fmt.FORMAT_V2 and view.directory == staged.path
+    stats, got, _ = _load(area, verify=True)
+    want = _source_tensors(view.directory)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in want.items())
+    assert stats["verified"] and stats["version"] == view.version and stats["mappings_released"]
+    calls: list = []
+    srv = _fake_vllm(True, calls)
+    try:
+        res = reload_vllm([srv.url], "shm:policy", retries=0)
+    finally:
+        srv.close()
+    assert calls == ["qconvert_ping", "qconvert_load_staged", "qconvert_repack_cpu_moe"]  # MoE on a CPU server
+    assert res[0].load[0]["area"] == str(area)

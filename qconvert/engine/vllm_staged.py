@@ -108,9 +108,9 @@ def file_digest(kind: str, buf) -> str:
     from qconvert.formats import staging as fmt
 
     if kind == fmt.DIGEST_XXH3:
-        import xxhash
+        from qconvert.convert.safetensors_io import xxh3_128_hex
 
-        return xxhash.xxh3_128(buf).hexdigest()
+        return xxh3_128_hex(buf)
     if kind == fmt.DIGEST_SHA256:
         import hashlib
 
