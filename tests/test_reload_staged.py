@@ -375,3 +375,28 @@ def test_refit_area_reloads_through_the_extension(demo_moe, shm_root, monkeypatc
         srv.close()
     assert calls == ["qconvert_ping", "qconvert_load_staged", "qconvert_repack_cpu_moe"]  # MoE on a CPU server
     assert res[0].load[0]["area"] == str(area)
+
+
+def test_sglang_reads_a_refit_area_from_its_committed_slot(demo_dense, shm_root):
+    """SGLang has no worker extension: ``reload sglang shm:NAME`` of a version 2 area sends the
+    committed slot's directory (the area's root holds no weights), while the client holds that
+    slot's shared lock, so a refit cannot overwrite it during SGLang's read."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    from qconvert.client.sglang_client import reload_sglang
+
+    v2 = _v2_from_v1(staging.stage_checkpoint(demo_dense, "d").path, shm_root / "p")
+    held = []
+
+    def update(body):
+        with pytest.raises(fmt.StagingError, match="slot 1"):
+            fmt.SlotLock(v2, 1, shared=False, wait_s=0.05)
+        held.append(body["model_path"])
+
+    srv = FakeServer(sglang_routes({}, update))
+    try:
+        assert reload_sglang([srv.url], "shm:p", retries=0)[0].ok
+    finally:
+        srv.close()
+    assert held == [str(fmt.slot_dir(v2, 1))]
