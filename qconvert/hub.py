@@ -30,34 +30,19 @@ from typing import Callable
 from . import __version__
 from .convert.plan import index_ranges
 from .errors import QConvertError
-from .inspect import InspectReport, engine_support, fmt_bytes, inspect_checkpoint
+from .hub_errors import hub_error_line
+from .formats.dialects import DIALECT_TEXT, ENGINE_VERSIONS, engine_support
+from .formats.manifest import MANIFEST_NAME
+from .formats.schemes import SCHEME_TEXT
+from .inspect import InspectReport, fmt_bytes, inspect_checkpoint
 
 CARD_MARKER = "<!-- qconvert-card v2 -->"
 SRC_BEGIN = "<!-- qconvert-source-card:begin -->"
 SRC_BODY = "<!-- qconvert-source-card:body -->"
 SRC_END_V1 = "<!-- qconvert-source-card:end -->"
 #: engine versions the formats were checked against
-ENGINE_TARGETS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+ENGINE_TARGETS = ENGINE_VERSIONS
 VERIFY_NAME = "qconvert-verify.json"
-
-SCHEME_TEXT = {
-    "mxfp8": "MXFP8: FP8 E4M3 elements with one E8M0 (power-of-two) scale per 1x32 block along the input dimension",
-    "nvfp4": "NVFP4: FP4 E2M1 elements with one FP8 E4M3 scale per 1x16 block and one FP32 global scale per tensor",
-    "bf16": "BF16 (not quantized)",
-}
-DIALECT_TEXT = {
-    ("mxfp8", "auto"): "`quant_method: mxfp8`, `weight_scale` uint8 [N, K/32], exclusions in `ignored_layers` and "
-                       "`modules_to_not_convert` (loads in vLLM and SGLang)",
-    ("mxfp8", "sglang"): "SGLang/miles: `quant_method: mxfp8`, `weight_scale_inv` uint8 [N, K/32] (an E8M0 byte, not an "
-                         "inverse), exclusions in `modules_to_not_convert` (SGLang only)",
-    ("mxfp8", "modelopt"): "ModelOpt: `quant_method: modelopt`, `quant_algo: MXFP8`, `weight_scale` uint8 [N, K/32], "
-                           "`ignore` + `hf_quant_config.json`",
-    ("nvfp4", "modelopt"): "ModelOpt `modelopt_fp4`: packed `weight` uint8 [N, K/2], `weight_scale` E4M3 [N, K/16], "
-                           "`weight_scale_2` = amax/2688 (decode), `input_scale`",
-    ("nvfp4", "compressed-tensors"): "compressed-tensors `nvfp4-pack-quantized`: `weight_packed` uint8 [N, K/2], "
-                                     "`weight_scale` E4M3 [N, K/16], `weight_global_scale` = 2688/amax (encode)",
-}
-
 
 # ---- source card --------------------------------------------------------------------------------
 
@@ -632,50 +617,6 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
             os.symlink(real, stage / rel / name)
     for name, data in extra.items():
         (stage / name).write_bytes(data)
-
-
-def _redact(text: str, limit: int = 300) -> str:
-    """One bounded line of text from a server or an exception, without secrets or control characters."""
-    first = next((ln for ln in str(text).splitlines() if ln.strip()), "")
-    first = re.sub(r"(?i)(\w+://)[^/\s@]*@", r"\1***@", first)
-    first = re.sub(r"\bhf_[A-Za-z0-9]{6,}", "hf_***", first)
-    first = re.sub(r"(?i)\b(bearer\s+|(?:token|api_key|password)[\"']?\s*[:=]\s*[\"']?)[^\s,;\"']+", r"\1***", first)
-    first = re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", " ", first).strip()
-    return first if len(first) <= limit else first[:limit] + "..."
-
-
-def offline_mode() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hub_error_line(e: BaseException, endpoint: str | None = None) -> str:
-    """What went wrong talking to the Hub, in one line with what to do; names HF_HUB_OFFLINE only
-    when it is set (and so the cause)."""
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    endpoint = _redact(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    chain, x = [], e
-    while x is not None and len(chain) < 8:
-        chain.append(x)
-        x = x.__cause__ or x.__context__
-    if offline_mode() or any(isinstance(x, OfflineModeIsEnabled) for x in chain):
-        return "HF_HUB_OFFLINE is set, so the Hub is not contacted; unset it (or use a local directory)"
-    http = next((x for x in chain if isinstance(x, HfHubHTTPError)), None)
-    code = getattr(getattr(http, "response", None), "status_code", None) if http is not None else None
-    if http is not None and code is not None:
-        msg = _redact(getattr(http, "server_message", None) or str(http), 200)
-        hint = {401: "check HF_TOKEN (or `hf auth login`)", 403: "check that your token may write to this repo",
-                404: "check the repo id and that your token can see it"}.get(code, "re-run later; re-running resumes")
-        return f"the Hub at {endpoint} answered HTTP {code} ({msg}); {hint}"
-    net = next((x for x in chain if type(x).__name__.endswith(
-        ("ConnectError", "Timeout", "TimeoutException", "NetworkError", "ProtocolError", "ConnectionError",
-         "RemoteDisconnected"))), None)
-    net = net or next((x for x in chain if isinstance(x, OSError) and not isinstance(x, FileNotFoundError)), None)
-    if net is not None:
-        return (f"cannot reach the Hub at {endpoint} ({type(net).__name__}: {_redact(net, 200)}); check the network "
-                "and HF_ENDPOINT")
-    return f"Hub request to {endpoint} failed ({type(e).__name__}: {_redact(e, 200)})"
 
 
 def upload(dst: Path, repo_id: str, *, private: bool = False, revision: str | None = None, token: str | None = None,

@@ -37,19 +37,18 @@ import numpy as np
 import torch
 
 from .errors import QConvertError
-from .inspect import (EXCLUSION_KEYS, KEPT_SUFFIXES, MANIFEST_NAME, MXFP8_SCALE_SUFFIX, Module,
-                      detect, find_layouts, modules_of, read_checkpoint, split_name)
+from .formats.detect import Module, detect, modules_of, split_name
+from .formats.dialects import (KEPT_SUFFIXES, NVFP4_WEIGHT_SUFFIXES, REQUIRED_SUFFIXES, WEIGHT,
+                               WEIGHT_GLOBAL_SCALE, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_2, accepted_tensors)
+from .formats.exclusions import EXCLUSION_KEYS, SGLANG, SGLANG_MODELOPT, config_where, matchers
+from .formats.manifest import MANIFEST_NAME, find_layouts, layout_section
+from .formats.schemes import (ALL_RECIPES, BLOCK, BLOCK_BOUND, DEFAULT_MAX_REL_ERR, DEFAULT_NVFP4_RECIPE, MXFP8_RECIPE,
+                               NVFP4_RECIPES)
+from .inspect import read_checkpoint
 from .convert import fused
-from .convert.numerics.nvfp4 import NVFP4_RECIPES
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
 
-#: default --max-rel-err per format (relative Frobenius error of one tensor). RCEIL MXFP8 of
-#: Gaussian-like weights gives ~0.02-0.03 and NVFP4 ~0.09-0.11.
-DEFAULT_MAX_REL_ERR = {"mxfp8": 0.06, "nvfp4": 0.16}
-#: per-block bound: max |decoded - source| <= BOUND * block amax (+ ATOL). MXFP8 RCEIL meets 1/14,
-#: FLOOR (clipping at 448) 63/511; NVFP4 1/6 times (1 + 1/16) for the scale rounding.
-BLOCK_BOUND = {"mxfp8": 0.13, "nvfp4": 0.2}
 VERIFY_PROMPTS = [
     "The capital of France is",
     "Once upon a time there was a small model that",
@@ -121,53 +120,6 @@ class VerifyReport:
         return d
 
 
-# ---- exclusion-list matchers (docs/formats.md#exclusion-matchers) --------------------------------------------------
-
-def _sglang_modelopt_excluded(prefix: str, entries: list[str], fused_moe: bool) -> bool:
-    """SGLang ModelOpt: Linear uses the dotted rule or ``is_layer_excluded``; FusedMoE only the latter."""
-    from .convert.plan import sglang_dotted_excluded
-
-    for e in entries:
-        rx = re.compile(re.escape(e).replace(r"\*", ".*"))
-        if rx.fullmatch(prefix) or any(rx.fullmatch(part) for part in prefix.split(".")):
-            return True
-    return False if fused_moe else sglang_dotted_excluded(prefix, entries)
-
-
-def _ct_excluded(prefix: str, entries: list[str]) -> bool:
-    for e in entries:
-        if e.startswith("re:"):
-            try:
-                if re.match(e[3:], prefix):
-                    return True
-            except re.error:
-                continue
-        elif e == prefix:
-            return True
-    return False
-
-
-def matchers(scheme: str, dialect: str) -> list[tuple[str, Callable[[str, list[str], bool], bool]]]:
-    """(consumer name, excluded(prefix, entries, is_fused_moe)) for each engine reading this dialect."""
-    from .convert.plan import sglang_dotted_excluded, vllm_substring_excluded
-
-    sgl = ("SGLang", lambda p, e, moe: sglang_dotted_excluded(p, e))
-    vll = ("vLLM", lambda p, e, moe: vllm_substring_excluded(p, e))
-    if dialect == "compressed-tensors":
-        return [("compressed-tensors (vLLM/SGLang)", lambda p, e, moe: _ct_excluded(p, e))]
-    if (scheme, dialect) == ("mxfp8", "auto"):
-        return [sgl, vll]
-    if (scheme, dialect) == ("mxfp8", "sglang"):
-        return [sgl]
-    if (scheme, dialect) == ("mxfp8", "flat"):
-        return [vll]
-    if (scheme, dialect) == ("mxfp8", "modelopt"):
-        return [vll, sgl]  # SGLang translates ModelOpt MXFP8 into Fp8Config (dotted rule)
-    if dialect == "modelopt":
-        return [vll, ("SGLang ModelOpt", _sglang_modelopt_excluded)]
-    return [vll, sgl]
-
-
 # ---- numerics -----------------------------------------------------------------------------------
 
 def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -176,17 +128,22 @@ def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.
     except ImportError:  # numerics not present in this build: decode here (docs/formats.md#nvfp4-encoding)
         lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1).long()
-        vals = lut[codes].reshape(*codes.shape[:-1], -1, 16)
+        vals = lut[codes].reshape(*codes.shape[:-1], -1, BLOCK["nvfp4"])
         return (vals * (scale.float() * scale_2.float().reshape(())).unsqueeze(-1)).reshape(codes.shape)
     return nvfp4_dequantize(packed, scale, scale_2)
+
+
+def _nvfp4_codes(ts: dict[str, torch.Tensor]):
+    """The packed NVFP4 codes under either dialect's name (compressed-tensors ``weight_packed``, else ``weight``)."""
+    return next((ts[s] for s in NVFP4_WEIGHT_SUFFIXES if s in ts), None)
 
 
 def _nvfp4_scale_2(ts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The decode-convention global scale (fp32 0-dim): ModelOpt's ``weight_scale_2``, or the
     reciprocal of compressed-tensors' ``weight_global_scale``."""
-    if "weight_scale_2" in ts:
-        return ts["weight_scale_2"].float().reshape(-1)[0]
-    return 1.0 / ts["weight_global_scale"].float().reshape(-1)[0]
+    if WEIGHT_SCALE_2 in ts:
+        return ts[WEIGHT_SCALE_2].float().reshape(-1)[0]
+    return 1.0 / ts[WEIGHT_GLOBAL_SCALE].float().reshape(-1)[0]
 
 
 def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -198,9 +155,9 @@ def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) 
             s = s.view(torch.uint8)
         return mxfp8_dequantize(ts["weight"], s), None
     if fmt == "nvfp4":
-        packed = ts.get("weight_packed", ts.get("weight"))
+        packed = _nvfp4_codes(ts)
         s2 = _nvfp4_scale_2(ts)
-        return _nvfp4_dequantize(packed, ts["weight_scale"], s2), s2
+        return _nvfp4_dequantize(packed, ts[WEIGHT_SCALE], s2), s2
     raise QConvertError(f"tensor {m.name!r}: format {fmt} cannot be dequantized by verify")
 
 
@@ -235,7 +192,7 @@ def compare(x: torch.Tensor, deq: torch.Tensor, fmt: str, scale_2=None) -> tuple
     xn = float(x.double().pow(2).sum())
     en = float(err.double().pow(2).sum()) if bool(torch.isfinite(deq).all()) else math.inf
     rel, sqnr = _figures(xn, en)
-    blk = 32 if fmt == "mxfp8" else 16
+    blk = BLOCK[fmt]
     k = x.shape[-1]
     xb = x.reshape(-1, k // blk, blk)
     eb = err.reshape(-1, k // blk, blk).abs().amax(-1)
@@ -262,7 +219,7 @@ def _decode_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         e4m3 = bytes_.view(torch.float8_e4m3fn).float()
         if fmt == "mxfp8":
             from .convert.numerics.mxfp8 import mxfp8_dequantize
-            ones = torch.ones(256, 32).to(torch.float8_e4m3fn)
+            ones = torch.ones(256, BLOCK["mxfp8"]).to(torch.float8_e4m3fn)
             _TABLES[fmt] = (e4m3, mxfp8_dequantize(ones, bytes_.reshape(256, 1))[:, 0].contiguous())
         else:
             from .convert.numerics.nvfp4 import e2m1_to_float
@@ -284,15 +241,15 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
         q, sc = ts.get("weight"), ts.get(m.scale_suffix or "")
         if q is None or sc is None or q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
             return None
-        codes, s2, block, atol = q.view(torch.uint8), 1.0, 32, 1e-30
+        codes, s2, block, atol = q.view(torch.uint8), 1.0, BLOCK[fmt], 1e-30
     elif fmt == "nvfp4":
-        q, sc = ts.get("weight_packed", ts.get("weight")), ts.get("weight_scale")
+        q, sc = _nvfp4_codes(ts), ts.get(WEIGHT_SCALE)
         if q is None or sc is None or q.dtype != torch.uint8 or q.shape != (*x.shape[:-1], k // 2):
             return None
-        if "weight_scale_2" not in ts and "weight_global_scale" not in ts:
+        if WEIGHT_SCALE_2 not in ts and WEIGHT_GLOBAL_SCALE not in ts:
             return None
         s2 = float(_nvfp4_scale_2(ts))
-        codes, block, atol = q, 16, max(6 * 2.0**-6 * s2, 1e-30)
+        codes, block, atol = q, BLOCK[fmt], max(6 * 2.0**-6 * s2, 1e-30)
     else:
         return None
     if (k % block or sc.element_size() != 1 or sc.shape != (*x.shape[:-1], k // block)
@@ -310,35 +267,19 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def _expected(fmt: str, dialect: str, m: Module, n: int, k: int) -> dict[str, tuple[set, list | None]]:
-    """suffix -> (allowed dtype tags, shape or None for 'scalar or [1]') of a quantized module."""
-    if fmt == "mxfp8":
-        sfx = MXFP8_SCALE_SUFFIX.get(dialect, m.scale_suffix or "weight_scale")
-        tags = {"U8"} if dialect in ("auto", "sglang") else {"U8", "F8_E8M0"}
-        return {"weight": ({"F8_E4M3"}, [n, k]), sfx: (tags, [n, k // 32])}
-    if fmt == "nvfp4" and dialect == "compressed-tensors":
-        return {"weight_packed": ({"U8"}, [n, k // 2]), "weight_scale": ({"F8_E4M3"}, [n, k // 16]),
-                "weight_global_scale": ({"F32"}, None), "input_global_scale": ({"F32"}, None),
-                "weight_shape": ({"I64", "I32"}, [2])}
-    if fmt == "nvfp4":
-        return {"weight": ({"U8"}, [n, k // 2]), "weight_scale": ({"F8_E4M3"}, [n, k // 16]),
-                "weight_scale_2": ({"F32"}, None), "input_scale": ({"F32"}, None)}
-    return {}
-
-
 def _nvfp4_groups(mods: dict[str, Module]) -> dict[str, list[str]]:
     """NVFP4 module -> the modules whose source amax gives its global scale (the converter's fused
-    groups: q/k/v, gate/up of an MLP or an expert; plan._group_id), itself included."""
+    groups: q/k/v, gate/up of an MLP or an expert; plan.group_id), itself included."""
     from types import SimpleNamespace
 
-    from .convert.plan import _classify, _group_id
+    from .convert.plan import classify, group_id
 
     groups: dict[str, list[str]] = {}
     for m in mods.values():
         if m.format != "nvfp4" or m.stacked or len(m.shape) != 2:
             continue
-        kind = _classify(m.name + ".weight", tuple(m.shape))[0]
-        gid = _group_id(SimpleNamespace(module=m.name)) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        kind = classify(m.name + ".weight", tuple(m.shape))[0]
+        gid = group_id(SimpleNamespace(module=m.name)) if kind in ("attn", "mlp", "expert", "shared_expert") else None
         groups.setdefault(gid or m.name, []).append(m.name)
     return {n: members for members in groups.values() for n in members}
 
@@ -346,9 +287,6 @@ def _nvfp4_groups(mods: dict[str, Module]) -> dict[str, list[str]]:
 def _quantized_suffixes(m: Module) -> list[str]:
     """The tensors of a quantized module that make up its format (not its kept bias)."""
     return [s for s in m.tensors if s not in KEPT_SUFFIXES]
-
-
-_REQUIRED = {"weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale"}
 
 
 class _Verifier:
@@ -389,7 +327,7 @@ class _Verifier:
         det = detect(dst.config, dst.hf_quant_config, dst.manifest, self.mods)
         r.scheme, r.dialect = det.scheme, det.dialect
         self.det = det
-        if det.scheme in ("unknown", "fp8", "fp8-block"):
+        if not det.verifiable:
             self.fail("format", f"{dst.root / 'config.json'}: format {det.scheme} ({det.dialect}) cannot be verified; "
                                 f"{'; '.join(det.notes) or 'qconvert verifies BF16, MXFP8 and NVFP4 checkpoints'}")
         else:
@@ -453,7 +391,7 @@ class _Verifier:
                                            f"{name} is {list(se.shape)}; re-run the conversion")
                     used |= {f"{mod}.{s}" if not m.stacked else s for s in m.tensors if s not in KEPT_SUFFIXES}
                     continue
-                exp = _expected(m.format, self.det.dialect, m, n, k)
+                exp = accepted_tensors(m.format, self.det.dialect, m.scale_suffix, n, k)
                 for s, (dt, shape) in m.tensors.items():
                     if s in KEPT_SUFFIXES:
                         continue  # the Linear's bias: its own source tensor, checked as kept below
@@ -469,7 +407,7 @@ class _Verifier:
                         self.fail("structure", f"tensor {tname!r}: {dt} {shape}, expected {'/'.join(sorted(tags))} "
                                                f"{want if want is not None else '[] or [1]'}; re-run the conversion")
                 for s in exp:
-                    if s in _REQUIRED and s not in m.tensors:
+                    if s in REQUIRED_SUFFIXES and s not in m.tensors:
                         self.fail("structure", f"tensor {mod}.{s!s}: missing ({m.format}, {self.det.dialect} dialect "
                                                f"needs it); re-run the conversion")
                 plan[mod] = ("quantized", [name])
@@ -515,9 +453,8 @@ class _Verifier:
         from .convert.layout_jobs import parse_rank_tag
 
         man = self.dst.manifest or {}
-        lay = man.get("layout") if self.det.producer == "qconvert" else None
-        if not isinstance(lay, dict) or not isinstance(lay.get("layers"), dict) or man.get("recipe") not in (
-                *NVFP4_RECIPES, "rceil"):
+        lay = layout_section(man) if self.det.producer == "qconvert" else None
+        if not isinstance(lay, dict) or not isinstance(lay.get("layers"), dict) or man.get("recipe") not in ALL_RECIPES:
             return {}
         out: dict[str, list[str]] = {}
         for name in dst_t:
@@ -561,7 +498,7 @@ class _Verifier:
         xs = {n: self._read_src(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
         i_size, h_size = members[0].shape
-        nv_recipe = recipe if recipe in NVFP4_RECIPES else "te"
+        nv_recipe = recipe if recipe in NVFP4_RECIPES else DEFAULT_NVFP4_RECIPE
         try:
             input_scales = None
             if scheme == "nvfp4":
@@ -633,12 +570,12 @@ class _Verifier:
         for n in src_names:
             mod = n[: -len(".weight")]
             ts = {k[len(mod) + 1:]: v for k, v in per_expert.items() if k.startswith(mod + ".")}
-            self._check_quantized(Module(mod, scheme, list(xs[n].shape), 0, {}, "weight_scale"), ts, xs[n], None)
+            self._check_quantized(Module(mod, scheme, list(xs[n].shape), 0, {}, WEIGHT_SCALE), ts, xs[n], None)
             self.r.tensors[-1].exact = exact
 
     # -- exclusion list ---------------------------------------------------------------------------
     def _check_exclusions(self):
-        from .convert.plan import _classify
+        from .convert.plan import classify
 
         det, dst = self.det, self.dst
         if det.scheme not in ("mxfp8", "nvfp4"):
@@ -653,7 +590,7 @@ class _Verifier:
             lists[f"{MANIFEST_NAME} exclusions"] = list(man["exclusions"])
         need = EXCLUSION_KEYS.get((det.scheme, det.dialect), ())
         for key in need:
-            if not any(w.endswith("quantization_config." + key) for w in lists):
+            if config_where(key) not in lists:
                 self.fail("exclusions", f"{dst.root / 'config.json'}: quantization_config.{key} is missing; the "
                                         f"{det.dialect} dialect keeps its exclusion list there — re-run the conversion")
         if not lists:
@@ -671,7 +608,7 @@ class _Verifier:
         for m in self.mods.values():
             if m.stacked or len(m.shape) != 2:
                 continue
-            kind, _, _ = _classify(m.name + ".weight", tuple(m.shape))
+            kind, _, _ = classify(m.name + ".weight", tuple(m.shape))
             if kind in ("embed", "norm"):
                 continue
             quant = m.format in ("mxfp8", "nvfp4")
@@ -695,7 +632,7 @@ class _Verifier:
                     self.fail("exclusions", f"module {prefix!r} is quantized but the exclusion list excludes it for "
                                             f"{who}, which would load it as BF16; remove the matching entry")
                 elif not quant and not hit:
-                    if who.startswith("SGLang") and kind in ("lm_head", "router"):
+                    if who in (SGLANG, SGLANG_MODELOPT) and kind in ("lm_head", "router"):
                         continue  # SGLang never quantizes these
                     bad += 1
                     self.fail("exclusions", f"module {prefix!r} is stored in BF16 but the exclusion list does not "
@@ -754,7 +691,7 @@ class _Verifier:
         man, r = self.dst.manifest, self.r
         exact = ("it checks only that DST decodes to SRC within the error bounds, so other weights close to "
                  "SRC (another fine-tune of the same model) may pass")
-        if self.det.producer == "qconvert" and man and (man.get("recipe") in ("rceil", *NVFP4_RECIPES)):
+        if self.det.producer == "qconvert" and man and (man.get("recipe") in ALL_RECIPES):
             exact = ("it checks that every quantized tensor is exactly what converting SRC gives, so it cannot tell "
                      "DST's source from other weights that quantize to the same bytes")
         src_want = ((man or {}).get("source") or {}).get("sha256") or {}
@@ -891,19 +828,20 @@ class _Verifier:
         res = TensorResult(m.name, fmt, list(m.shape), rel, sqnr, worst)
         if first is not None:
             row, blk = first
-            sfx = m.scale_suffix or "weight_scale"
+            sfx = m.scale_suffix or WEIGHT_SCALE
             sc = ts.get(sfx)
             sv = sc.view(torch.uint8)[row, blk].item() if sc is not None and sc.dim() == 2 else "?"
             res.ok = False
             self.fail("values", f"tensor {m.name}.{sfx}: block [{row}, {blk}] (scale byte {sv}) decodes with error "
                                 f"{worst * BLOCK_BOUND[fmt]:.2f}x the block max (bound {BLOCK_BOUND[fmt]}); the scale or "
                                 f"elements are corrupt or belong to another tensor — re-run the conversion")
-        if fmt == "mxfp8" and recipe == "rceil":
+        if fmt == "mxfp8" and recipe == MXFP8_RECIPE:
             from .convert.numerics.mxfp8 import mxfp8_quantize
             q_ref, s_ref = mxfp8_quantize(x)
-            if self.fp8:  # the power-of-two blocks of an FP8 source keep their bytes
-                from .convert.fp8_source import mxfp8_reference
-                w = f"{m.name}.weight"
+            tinfo = ((self.dst.manifest or {}).get("tensors") or {}).get(m.name)
+            from .convert.fp8_source import BYTES_KEPT, mxfp8_reference
+            if self.fp8 and isinstance(tinfo, dict) and tinfo.get("source_path") in BYTES_KEPT:
+                w = f"{m.name}.weight"  # the conversion kept the power-of-two blocks' E4M3 bytes
                 mxfp8_reference(self.fp8, w, self._src_readers[self._src_shard[w]], q_ref, s_ref)
             sc = ts[m.scale_suffix].view(torch.uint8)
             bad_s = (sc != s_ref).nonzero()
@@ -960,20 +898,20 @@ class _Verifier:
         members = self._nvfp4_groups.get(m.name, [m.name])
         g = np.max(np.array([self._source_amax(n) for n in members], dtype=np.float32))
         packed, scale, scale_2 = nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=CPU_WORKERS)
-        if "weight_scale_2" in ts:  # decode convention (ModelOpt)
-            sfx, want = "weight_scale_2", scale_2.float().reshape(1)
+        if WEIGHT_SCALE_2 in ts:  # decode convention (ModelOpt)
+            sfx, want = WEIGHT_SCALE_2, scale_2.float().reshape(1)
         else:  # compressed-tensors' encode convention, as the writer computes it from the group amax
-            sfx = "weight_global_scale"
+            sfx = WEIGHT_GLOBAL_SCALE
             want = torch.tensor([encode_global_scale(g, recipe)], dtype=torch.float32)
         stored = ts.get(sfx)
-        q = ts.get("weight_packed", ts.get("weight"))
+        q = _nvfp4_codes(ts)
         if stored is None or stored.dtype != torch.float32 or stored.numel() != 1 or q is None \
-                or q.shape != packed.shape or ts["weight_scale"].shape != scale.shape:
+                or q.shape != packed.shape or ts[WEIGHT_SCALE].shape != scale.shape:
             res.exact = False
             return  # the structure check reports it
         stored = stored.reshape(1)
         bad_g = not bool(stored.view(torch.int32).equal(want.view(torch.int32)))
-        sc_got, sc_want = ts["weight_scale"].view(torch.uint8), scale.view(torch.uint8)
+        sc_got, sc_want = ts[WEIGHT_SCALE].view(torch.uint8), scale.view(torch.uint8)
         same_s = np.array_equal(sc_got.numpy(), sc_want.numpy())  # a byte compare, no temporaries
         same_q = np.array_equal(q.view(torch.uint8).numpy(), packed.numpy())
         res.exact = not bad_g and same_s and same_q
@@ -991,12 +929,12 @@ class _Verifier:
                                 "DST was converted from other weights — re-run the conversion")
         elif len(bad_s):
             rr, cc = bad_s[0].tolist()
-            self.fail("values", f"tensor {m.name}.weight_scale: [{rr}, {cc}] is byte {int(ts['weight_scale'].view(torch.uint8)[rr, cc])}, "
+            self.fail("values", f"tensor {m.name}.weight_scale: [{rr}, {cc}] is byte {int(ts[WEIGHT_SCALE].view(torch.uint8)[rr, cc])}, "
                                 f"the {recipe} recipe gives {int(scale.view(torch.uint8)[rr, cc])} ({len(bad_s)} block scales "
                                 "differ); re-run the conversion")
         else:
             rr, cc = bad_q[0].tolist()
-            self.fail("values", f"tensor {m.name}.{'weight_packed' if 'weight_packed' in ts else 'weight'}: byte [{rr}, {cc}] "
+            self.fail("values", f"tensor {m.name}.{WEIGHT_PACKED if WEIGHT_PACKED in ts else WEIGHT}: byte [{rr}, {cc}] "
                                 f"differs from {recipe} quantization ({len(bad_q)} bytes differ); re-run the conversion")
 
     def _finish_thresholds(self):
@@ -1069,10 +1007,10 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
     checks report the layout tensors as not decodable)."""
     import tempfile
 
-    from .convert.checkpoint import manifest_layout, read_manifest
+    from .convert.checkpoint import read_manifest
 
     try:
-        layout = manifest_layout(read_manifest(dst))
+        layout = layout_section(read_manifest(dst))
     except QConvertError:  # an unreadable manifest: the structural checks report it
         return None
     if layout is None:

@@ -211,8 +211,10 @@ def quantize_step(results, copy_bw):
 
 def _manifest_sha(dst: Path):
     """Output shard digests: the manifest's, or hashed here (outside the timing) under --no-checksums."""
+    from qconvert.formats.manifest import MANIFEST_NAME
+
     try:
-        got = json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"]
+        got = json.loads((dst / MANIFEST_NAME).read_text())["outputs"]["sha256"]
     except (OSError, ValueError, KeyError):
         return None
     if not got:

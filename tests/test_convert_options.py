@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from qconvert.convert import dialects
+from qconvert.formats import dialects
 from qconvert.convert.checkpoint import load_checkpoint
 from qconvert.convert.demo import demo_config, demo_tensors, write_sharded
 from qconvert.convert.jobs import BuiltJobs, build_jobs

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from qconvert.convert.demo import write_sharded
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
+from qconvert.convert.fused import Refusal
 from qconvert.errors import PlanError, QConvertError
 
 
@@ -145,11 +146,12 @@ def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, mon
            sorted((r.module, r.action, r.fmt, r.bytes_in, r.bytes_out) for r in b.rows)
 
 
-def _refused(tmp_path, demo_moe, tensors, config, match):
+def _refused(tmp_path, demo_moe, tensors, config, match, code):
     d = write_like(demo_moe, tmp_path / "src", tensors, config)
     with pytest.raises(QConvertError, match=match) as ei:
         convert(str(d), tmp_path / "out", opts=_opts("mxfp8"))
     assert "\n" not in str(ei.value)
+    assert ei.value.code == code
     assert not (tmp_path / "out").exists()
     return str(ei.value)
 
@@ -161,7 +163,7 @@ def test_wrong_orientation_in_one_layer_caught(demo_moe, split_tensors, config, 
     n = "model.layers.2.mlp.experts.down_proj"
     t[n] = t[n].transpose(1, 2).contiguous()
     # (gate_up_proj is square here, 2I == H: its sibling decides, so layer 2 reads as [E, in, out])
-    msg = _refused(tmp_path, demo_moe, t, config, "different orientations")
+    msg = _refused(tmp_path, demo_moe, t, config, "different orientations", Refusal.MIXED_ORIENTATIONS)
     assert "model.layers.2.mlp.experts." in msg and "model.layers.0.mlp.experts." in msg
 
 
@@ -173,6 +175,7 @@ def test_siblings_disagreeing_refused(config):
            "model.layers.0.mlp.experts.down_proj": ("BF16", (e, i, h))}
     with pytest.raises(PlanError, match="different orientations") as ei:
         fused.expand(inv, dict(config, moe_intermediate_size=i))
+    assert ei.value.code == Refusal.SIBLINGS_DISAGREE
     assert "experts.down_proj" in str(ei.value) and "experts.gate_up_proj" in str(ei.value)
 
 
@@ -181,7 +184,7 @@ def test_mixed_orientations_across_layers_refused(demo_moe, split_tensors, confi
     for proj in ("gate_up_proj", "down_proj"):
         n = f"model.layers.1.mlp.experts.{proj}"
         t[n] = t[n].transpose(1, 2).contiguous()
-    _refused(tmp_path, demo_moe, t, config, "in one checkpoint")
+    _refused(tmp_path, demo_moe, t, config, "in one checkpoint", Refusal.MIXED_ORIENTATIONS)
 
 
 def test_square_without_sibling_refused(demo_moe, split_tensors, config, tmp_path):
@@ -192,7 +195,7 @@ def test_square_without_sibling_refused(demo_moe, split_tensors, config, tmp_pat
     t = {n: v for n, v in split_tensors.items() if ".experts." not in n}
     for i in range(config["num_hidden_layers"]):
         t[f"model.layers.{i}.mlp.experts.down_proj"] = torch.zeros(e, h, h, dtype=torch.bfloat16)
-    _refused(tmp_path, demo_moe, t, cfg, "square shape")
+    _refused(tmp_path, demo_moe, t, cfg, "square shape", Refusal.SQUARE)
 
 
 def test_square_with_sibling_decides(demo_moe, config, tmp_path):
@@ -208,29 +211,32 @@ def test_square_with_sibling_decides(demo_moe, config, tmp_path):
 def test_fused_and_per_expert_duplicates_refused(demo_moe, split_tensors, config, tmp_path):
     t = dict(split_tensors)
     t.update({k: v for k, v in fuse(split_tensors, 1, config["num_experts"]).items() if ".experts." in k})
-    _refused(tmp_path, demo_moe, t, config, "holds the layer twice")
+    _refused(tmp_path, demo_moe, t, config, "holds the layer twice", Refusal.BOTH_FORMS)
 
 
 def test_unknown_expert_tensor_refused(demo_moe, split_tensors, config, tmp_path):
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     t["model.layers.0.mlp.experts.gate_up_proj_bias"] = torch.zeros(config["num_experts"], 256, dtype=torch.bfloat16)
-    _refused(tmp_path, demo_moe, t, config, "does not know")
+    _refused(tmp_path, demo_moe, t, config, "does not know", Refusal.UNKNOWN_TENSOR)
 
 
 def test_wrong_shape_refused(demo_moe, split_tensors, config, tmp_path):
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     t["model.layers.0.mlp.experts.down_proj"] = t["model.layers.0.mlp.experts.down_proj"][:4].contiguous()
-    _refused(tmp_path, demo_moe, t, config, "do not belong to this config.json")
+    _refused(tmp_path, demo_moe, t, config, "do not belong to this config.json", Refusal.SHAPE)
 
 
-@pytest.mark.parametrize("arch,match", [("GptOssForCausalLM", "gpt-oss"), ("MixtralForCausalLM", "Mixtral"),
-                                        ("SomethingMoeForCausalLM", "does not know what engines load")])
-def test_unsupported_architectures_refused(arch, match, demo_moe, split_tensors, config, tmp_path):
+@pytest.mark.parametrize("arch,match,code", [
+    ("GptOssForCausalLM", "gpt-oss", Refusal.REFUSED_ARCH), ("MixtralForCausalLM", "Mixtral", Refusal.REFUSED_ARCH),
+    ("Llama4ForConditionalGeneration", "Llama 4", Refusal.REFUSED_ARCH),
+    ("SomethingMoeForCausalLM", "does not know what engines load", Refusal.UNKNOWN_ARCH)])
+def test_unsupported_architectures_refused(arch, match, code, demo_moe, split_tensors, config, tmp_path):
     from qconvert.convert import fused
     inv = {n: ("BF16", tuple(v.shape)) for n, v in
            fuse(split_tensors, config["num_hidden_layers"], config["num_experts"]).items()}
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(PlanError, match=match) as ei:
         fused.expand(inv, dict(config, architectures=[arch]))
+    assert ei.value.code == code
 
 
 def test_dry_run_lists_per_expert_rows(fused_dirs, demo_moe):
@@ -238,6 +244,8 @@ def test_dry_run_lists_per_expert_rows(fused_dirs, demo_moe):
     b = convert(str(fused_dirs["out_in"]), None, opts=ConvertOptions(scheme="mxfp8", dry_run=True))
     assert sorted(r.module for r in a.rows) == sorted(r.module for r in b.rows)
     assert any(r.sources == ("model.layers.0.mlp.experts.0.gate_proj.weight",) for r in b.rows)
+    assert f"{2 * len(b.plan.moe_layers)} fused expert tensors ([E, out, in]) read per expert" in "\n".join(b.notes)
+    assert not any("fused expert" in n for n in a.notes)
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +285,9 @@ def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypat
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
     items = [(n, p.detach()) for n, p in tf_model.named_parameters()]
     items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
-    with pytest.raises(PlanError, match="experts.down_proj"):
+    with pytest.raises(PlanError, match="experts.down_proj") as ei:
         stage_refit(items, reference=demo_moe, stage_name="r")
+    assert ei.value.code == Refusal.SHAPE
 
 
 def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
@@ -295,10 +304,12 @@ def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
+def test_vllm_loads_fused_source_conversion(fused_dirs, demo_moe, tmp_path):
     """A fused Qwen3-MoE checkpoint (transformers 5's layout) converted by qconvert loads in vLLM
     CPU with qconvert's plugin, and its logprobs equal a BF16 checkpoint of its dequantized
-    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized."""
+    weights (tests/test_vllm_cpu_plugin.py's comparison); the experts run quantized. The fused BF16
+    source itself also loads in vLLM 0.32 (its Qwen3-MoE loader reads fused names) with the split
+    source's logprobs, which ``verify --check-in-engine vllm`` relies on for a fused SRC."""
     pytest.importorskip("vllm")
     from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
                                       convert_with_qconvert, make_dequantized)
@@ -308,7 +319,12 @@ def test_vllm_loads_fused_source_conversion(fused_dirs, tmp_path):
     ck = {k: convert_with_qconvert(fused_dirs["out_in"], tmp_path / k, k) for k in keys}
     dq = {k: make_dequantized(ck[k], tmp_path / ("dq_" + k)) for k in keys}
     jobs = [{"model": dq[k]} for k in keys] + [{"model": ck[k], "inspect": True} for k in keys]
+    jobs += [{"model": demo_moe}, {"model": fused_dirs["out_in"]}]
     res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
+    split, fz = res[-2]["stages"][0], res[-1]["stages"][0]
+    assert _all_finite(fz)
+    assert compare_logprobs(split["score"], fz["score"])["max_abs_logprob_diff"] == 0.0
+    assert split["tokens"] == fz["tokens"]
     for i, k in enumerate(keys):
         ref, q = res[i], res[len(keys) + i]
         st, st_ref = q["stages"][0], ref["stages"][0]
@@ -365,7 +381,7 @@ def test_inspect_fused_source(fused_dirs, demo_moe, split_tensors, config, tmp_p
     assert not any(n.startswith("fused expert tensors") for n in inspect_checkpoint(demo_moe).notes)
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     d = write_like(demo_moe, tmp_path / "gptoss", t, dict(config, architectures=["GptOssForCausalLM"]))
-    assert any(n.startswith("fused expert tensors: qconvert refuses them:") and "gpt-oss" in n
+    assert any(n.startswith("fused expert tensors: qconvert refuses them (refused-architecture):") and "gpt-oss" in n
                for n in inspect_checkpoint(d).notes)
 
 
@@ -396,3 +412,32 @@ def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, confi
     line = assert_one_line(r, 1, "NaN")
     assert f"'{n}' (expert 5, up_proj)" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_config_without_sizes_refused(split_tensors, config):
+    """Orientation is decided from config.json's sizes: without them, a one-line refusal."""
+    from qconvert.convert import fused
+    inv = {n: ("BF16", tuple(v.shape)) for n, v in fuse(split_tensors, 1, config["num_experts"]).items()}
+    cfg = {k: v for k, v in config.items() if k not in ("moe_intermediate_size", "intermediate_size")}
+    with pytest.raises(PlanError, match="moe_intermediate_size") as ei:
+        fused.expand(inv, cfg, "/x/config.json")
+    assert ei.value.code == Refusal.CONFIG_KEYS and "/x/config.json" in str(ei.value)
+
+
+@pytest.mark.parametrize("pattern", ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj*"])
+def test_keep_bf16_naming_a_fused_tensor_keeps_its_layer(pattern, demo_moe, fused_dirs, tmp_path):
+    """``--keep-bf16`` with the fused name the user sees keeps that layer's experts BF16, as the
+    split checkpoint's ``--keep-bf16 'model.layers.1.mlp.experts.*'`` does, byte for byte."""
+    src = fused_dirs["out_in"] if "*" not in pattern else fused_dirs["in_out_w"]
+    a = convert(str(demo_moe), tmp_path / "split", opts=ConvertOptions(
+        scheme="mxfp8", plan=PlanOptions(keep_bf16=("model.layers.1.mlp.experts.*",)), fsync=False))
+    b = convert(str(src), tmp_path / "fused", opts=ConvertOptions(
+        scheme="mxfp8", plan=PlanOptions(keep_bf16=(pattern,)), fsync=False))
+    assert "model.layers.1.mlp.experts" in b.plan.exclusions
+    assert a.plan.exclusions == b.plan.exclusions
+    assert not any("matched no tensor" in n for n in b.notes)
+    ta, tb = _load_dir(tmp_path / "split"), _load_dir(tmp_path / "fused")
+    assert ta.keys() == tb.keys()
+    assert tb["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
+    for n in ta:
+        assert torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)), n

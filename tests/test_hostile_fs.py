@@ -295,6 +295,43 @@ def s_verify_src_shard_leaves_src(P):
     return ["verify", P / "model", P / "out"]
 
 
+def _layout_manifest() -> bytes:
+    return json.dumps({"dialect": "auto", "layout": {"engine": "sglang", "tp": 1, "ep": 1, "layers": {},
+                                                     "contracts": {}}}).encode()
+
+
+def s_unshuffle_manifest_leaves_src(P):
+    (P / "model" / "qconvert.json").symlink_to(_outside(P, "qconvert.json", _layout_manifest()))
+    return ["unshuffle", P / "model", P / "out"]
+
+
+def s_stage_manifest_leaves_src(P):
+    (P / "model" / "qconvert.json").symlink_to(_outside(P, "qconvert.json", _layout_manifest()))
+    return ["stage", P / "model", "area"]
+
+
+def s_unshuffle_shard_fifo(P):
+    (P / "model" / "qconvert.json").write_bytes(_layout_manifest())
+    s = _first_shard(P / "model")
+    s.unlink()
+    os.mkfifo(s)
+    return ["unshuffle", P / "model", P / "out"]
+
+
+def s_inspect_manifest_fifo(P):
+    os.mkfifo(P / "model" / "qconvert.json")
+    return ["inspect", P / "model"]
+
+
+def s_verify_dst_manifest_leaves_dst(P):
+    pipeline.convert(str(P / "model"), P / "out", "mxfp8", pipeline.ConvertOptions(progress=False))
+    m = P / "out" / "qconvert.json"
+    f = _outside(P, "out-qconvert.json", m.read_bytes())
+    m.unlink()
+    m.symlink_to(f)
+    return ["verify", P / "model", P / "out"]
+
+
 def _to_pickle(m: Path):
     sd = {}
     for f in sorted(m.glob("*.safetensors")):
@@ -342,6 +379,11 @@ CASES = [
     (s_verify_src_shard_leaves_src, "resolves outside"),
     (s_inspect_config_leaves_src, "resolves outside"),
     (s_inspect_index_leaves_src, "resolves outside"),
+    (s_unshuffle_manifest_leaves_src, "resolves outside"),
+    (s_unshuffle_shard_fifo, "is a FIFO"),
+    (s_stage_manifest_leaves_src, "resolves outside"),
+    (s_inspect_manifest_fifo, "is a FIFO"),
+    (s_verify_dst_manifest_leaves_dst, "resolves outside"),
 ]
 
 

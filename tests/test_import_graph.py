@@ -33,10 +33,6 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
 #: that closes a cycle) or ``module.name`` (a private name used across modules). Remove an entry
 #: when it is mended: the test fails on entries that no longer match anything.
 PENDING: dict[tuple[str, str], str] = {
-    # checkpoint -> hub (hub_error_line, lazy) closes checkpoint -> hub -> inspect -> checkpoint
-    # (and through verify the whole convert package): hub_error_line belongs in a module of its
-    # own below both (hub.py and checkpoint.py are being edited by h-formats and h-reader).
-    ("qconvert.convert.checkpoint", "qconvert.hub"): "h-reader/h-formats: move hub_error_line below both",
     # checkpoint -> fp8_source (declared_block, lazy) -> jobs (Job, lazy in _wrap) -> checkpoint:
     # fp8_source.py is h-quant's, in progress; _wrap can build its job with dataclasses.replace
     # (keeping Job.parts) instead of importing Job, or declared_block move below checkpoint.
@@ -45,8 +41,6 @@ PENDING: dict[tuple[str, str], str] = {
     # helpers); client/staging.py and formats/staging.py are being edited by h-refit and h-serve
     ("qconvert.trainer.refit", "qconvert.client.staging._TORCH_TO_TAG"): "h-refit: make public in staging",
     ("qconvert.trainer.refit", "qconvert.formats.staging._EXTRA_RE"): "h-refit: make public in formats.staging",
-    ("qconvert.verify", "qconvert.convert.plan._classify"): "h-formats: plan/verify read formats/",
-    ("qconvert.verify", "qconvert.convert.plan._group_id"): "h-formats: plan/verify read formats/",
 }
 
 

@@ -13,9 +13,9 @@ import json
 import pytest
 
 from conftest import have
-from qconvert.convert.dialects import mxfp8_quant_config
-from qconvert.convert.plan import (PlanOptions, build_plan, exclusion_list, sglang_dotted_excluded,
-                                   vllm_substring_excluded)
+from qconvert.convert.plan import PlanOptions, build_plan, exclusion_list
+from qconvert.formats.dialects import mxfp8_quant_config
+from qconvert.formats.exclusions import sglang_dotted_excluded, vllm_substring_excluded
 from qconvert.convert.safetensors_io import read_header
 
 QKV = {"q_proj", "k_proj", "v_proj"}

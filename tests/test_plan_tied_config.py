@@ -18,8 +18,9 @@ import pytest
 
 from conftest import have
 from qconvert.convert.demo import build_demo_model, demo_config, demo_tensors, write_sharded
-from qconvert.convert.dialects import mxfp8_quant_config, nvfp4_quant_config
-from qconvert.convert.plan import PlanOptions, build_plan, sglang_dotted_excluded, vllm_substring_excluded
+from qconvert.convert.plan import PlanOptions, build_plan
+from qconvert.formats.dialects import mxfp8_quant_config, nvfp4_quant_config
+from qconvert.formats.exclusions import sglang_dotted_excluded, vllm_substring_excluded
 from qconvert.errors import PlanError
 
 

@@ -153,7 +153,7 @@ def test_mxfp8_lossless_where_scales_are_powers_of_two(fp8_src, tmp_path):
         mod = f"model.layers.3.mlp.{p}"
         rq, rs = mxfp8_quantize(t[mod + ".weight"])
         assert torch.equal(out[mod + ".weight"].view(torch.uint8), rq.view(torch.uint8))
-        assert paths[mod] == "BF16 source"
+        assert paths[mod] == "bf16-source"
     assert not any(k.endswith("weight_scale_inv") for k in out)
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["quantization_config"]["quant_algo"] == "MXFP8"
@@ -271,7 +271,45 @@ def test_inspect_and_card_say_the_source(fp8_src, tmp_path):
     convert(str(src), dst, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
     rep = inspect_checkpoint(str(dst))
     assert rep.source.startswith("FP8 block-scaled (weight_block_size [128, 128])")
-    assert "8 lossless" in rep.source and "17 requantized" in rep.source and "3 BF16 source" in rep.source
+    assert "8 lossless" in rep.source and "17 requantized" in rep.source and "3 bf16-source" in rep.source
     assert f"source     : {rep.source}" in format_report(rep)
     card = render_card(dst, "org/model-MXFP8")
     assert "| source | FP8 block-scaled" in card and "8 lossless" in card
+
+
+@pytest.mark.parametrize("scheme,extra", [("mxfp8", {}), ("nvfp4", {"input_mode": "unit"})])
+def test_moe_layout_from_fp8_source(demo_moe, tmp_path, scheme, extra):
+    """Experts written in the TRT-LLM layout from an FP8 source: verify (through the layout's exact
+    inverse) finds them exact, and power-of-two experts decode exactly (RCEIL keeps them so)."""
+    from qconvert.verify import verify
+
+    have("vllm") or pytest.skip("vllm not installed")
+    src, _ = make_fp8_source(demo_moe, tmp_path / "src", pow2=("layers.0.",))
+    dst = tmp_path / "dst"
+    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False,
+                                                  layout="flashinfer-trtllm", engine="vllm", **extra))
+    man = json.loads((dst / "qconvert.json").read_text())
+    paths = man["source"]["quantized"]["tensor_paths"]
+    e0 = "model.layers.0.mlp.experts.0.gate_proj"
+    assert paths[e0] == ("lossless-rceil" if scheme == "mxfp8" else "requantized")
+    assert paths["model.layers.0.self_attn.q_proj"] == ("lossless" if scheme == "mxfp8" else "requantized")
+    r = verify(str(src), str(dst))
+    assert r.ok, r.failures
+    got = {x.module: x.lossless for x in r.tensors}
+    assert got[e0] is (scheme == "mxfp8") and got["model.layers.1.mlp.experts.0.gate_proj"] is False
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_bad_fp8_source_in_a_fresh_process(demo_dense, tmp_path, scheme):
+    """As a user runs it: exit 1, one line naming the tensor, no traceback or abort, no DST and no
+    partial directory left (the bad scale is met by a job thread in the middle of the run)."""
+    from test_hostile_convert import assert_one_line, cli
+
+    def poison(ts):
+        ts["model.layers.2.mlp.down_proj.weight_scale_inv"][0, 1] = -1.0
+    src, _ = make_fp8_source(demo_dense, tmp_path / "src", mutate=poison)
+    for i in range(3):  # the error is raised on a job thread: repeat the race at exit
+        dst = tmp_path / f"out{i}"
+        r = cli(scheme, src, dst)
+        assert_one_line(r, 1, "model.layers.2.mlp.down_proj.weight_scale_inv", "[0, 1]")
+        assert not dst.exists() and not any(p.name.startswith(f".out{i}") for p in tmp_path.iterdir())

@@ -204,6 +204,26 @@ def test_vllm_not_dev_mode_names_the_flag(ckpt):
         srv.close()
 
 
+def test_vllm_without_weight_versions_refused_before_pause(ckpt):
+    """vLLM 0.26.0's dev mode: /pause and /collective_rpc but no weight-version routes
+    (docs/reload.md#vllm-weight-versions): one line naming the version, the server untouched."""
+    state = {}
+    routes = vllm_routes(state)
+    del routes[("GET", "/weight_info")], routes[("POST", "/update_weight_version")]
+    routes[("GET", "/version")] = lambda b, q, h: (200, {"version": "0.26.0"})
+    srv = FakeServer(routes)
+    try:
+        with pytest.raises(ReloadError) as ei:
+            reload_vllm([srv.url], ckpt)
+        msg = str(ei.value)
+        assert "\n" not in msg and "/weight_info" in msg and "vLLM 0.26.0" in msg, msg
+        assert "upgrade the server's vLLM" in msg, msg
+        assert "/pause" not in srv.paths() and "/collective_rpc" not in srv.paths(), srv.paths()
+        assert state["paused"] is False
+    finally:
+        srv.close()
+
+
 def test_vllm_failed_reload_message_rollback_and_resume(ckpt, tmp_path):
     launch = tmp_path / "launch"
     launch.mkdir()

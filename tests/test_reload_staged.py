@@ -263,6 +263,53 @@ def test_client_picks_staged_rpc_or_stock_reload(demo_dense, shm_root, extension
         assert res[0].load == []
 
 
+def test_client_hashes_the_area_only_with_verify(demo_dense, shm_root):
+    """A reload of ``shm:NAME`` does not sha256 the whole area; ``--verify`` does, and refuses a
+    changed byte before pausing the server."""
+    from qconvert.client.vllm_client import reload_vllm
+
+    area = staging.stage_checkpoint(demo_dense, "d").path
+    f = sorted(area.glob("g*.safetensors"))[-1]
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+    calls: list = []
+    srv = _fake_vllm(True, calls)
+    try:
+        assert reload_vllm([srv.url], "shm:d", retries=0)[0].ok  # not hashed: the worker may verify on request
+        with pytest.raises(staging.StagingError, match=f"{f.name}: checksum mismatch"):
+            reload_vllm([srv.url], "shm:d", retries=0, verify=True)
+        assert calls.count("qconvert_load_staged") == 1
+    finally:
+        srv.close()
+
+
+@pytest.mark.vllm
+def test_cpu_plugin_mxfp8_dequant_equals_vllms():
+    """The CPU plugin's MXFP8 expert dequantization (run at every reload: the bulk of an MXFP8
+    reload on CPU before, scripts/bench_reload.py) equals vLLM's own ``dequant_mxfp8_to_bf16`` bit
+    for bit: every E4M3 code (NaN codes included) under every kind of scale (0, subnormal results,
+    1, large, 254 and the E8M0 NaN 255)."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
+
+    from qconvert.engine.vllm_cpu_plugin import mxfp8_experts_to_bf16
+
+    scales = torch.tensor([0, 1, 2, 20, 100, 126, 127, 128, 140, 200, 253, 254, 255], dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2, len(scales), 1)  # [E=2, N, 256]: every code per row
+    codes[1] = codes[1].flip(-1)
+    w = codes.view(torch.float8_e4m3fn)
+    s = scales.view(1, -1, 1).expand(2, -1, 8).contiguous()
+    s[1, :, 3] = 127
+    got, want = mxfp8_experts_to_bf16(w, s), dequant_mxfp8_to_bf16(w, s)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    s = torch.randint(90, 160, (3, 64, 4), dtype=torch.uint8, generator=g)
+    assert torch.equal(mxfp8_experts_to_bf16(w, s).view(torch.int16), dequant_mxfp8_to_bf16(w, s).view(torch.int16))
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
@@ -296,3 +343,60 @@ def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
         assert srv.greedy() == original
     finally:
         srv.stop()
+
+
+def test_refit_area_reloads_through_the_extension(demo_moe, shm_root, monkeypatch):
+    """A version 2 area written by qconvert's Refitter: ``Refitter.reload`` (``shm:NAME``) reaches
+    the worker extension with the area's root, and what the worker hands vLLM equals what the
+    safetensors library reads from the committed slot's files."""
+    from qconvert.client.vllm_client import reload_vllm
+    from qconvert.convert.options import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.trainer.refit import Refitter
+
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, fsync=False)
+    src = _source_tensors(demo_moe)
+    with Refitter(demo_moe, opts, "policy") as r:
+        r.stage(sorted(src.items(), key=lambda kv: (staging.group_key(kv[0]), kv[0])))
+        staged = r.commit()
+    area = shm_root / "policy"
+    view = fmt.read_area(area)
+    assert view.format == fmt.FORMAT_V2 and view.directory == staged.path
+    stats, got, _ = _load(area, verify=True)
+    want = _source_tensors(view.directory)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in want.items())
+    assert stats["verified"] and stats["version"] == view.version and stats["mappings_released"]
+    calls: list = []
+    srv = _fake_vllm(True, calls)
+    try:
+        res = reload_vllm([srv.url], "shm:policy", retries=0)
+    finally:
+        srv.close()
+    assert calls == ["qconvert_ping", "qconvert_load_staged", "qconvert_repack_cpu_moe"]  # MoE on a CPU server
+    assert res[0].load[0]["area"] == str(area)
+
+
+def test_sglang_reads_a_refit_area_from_its_committed_slot(demo_dense, shm_root):
+    """SGLang has no worker extension: ``reload sglang shm:NAME`` of a version 2 area sends the
+    committed slot's directory (the area's root holds no weights), while the client holds that
+    slot's shared lock, so a refit cannot overwrite it during SGLang's read."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    from qconvert.client.sglang_client import reload_sglang
+
+    v2 = _v2_from_v1(staging.stage_checkpoint(demo_dense, "d").path, shm_root / "p")
+    held = []
+
+    def update(body):
+        with pytest.raises(fmt.StagingError, match="slot 1"):
+            fmt.SlotLock(v2, 1, shared=False, wait_s=0.05)
+        held.append(body["model_path"])
+
+    srv = FakeServer(sglang_routes({}, update))
+    try:
+        assert reload_sglang([srv.url], "shm:p", retries=0)[0].ok
+    finally:
+        srv.close()
+    assert held == [str(fmt.slot_dir(v2, 1))]

@@ -368,13 +368,13 @@ def test_worker_error_line_from_a_vllm_traceback():
 
 def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
     import qconvert.verify as V
-    from qconvert.inspect import detect
+    from qconvert.formats.detect import Code, detect, finding
 
     dst = run_convert(demo_dense, tmp_path / "q", "mxfp8", "auto")
 
     def wordy(*a, **kw):
-        d = detect(*a, **kw)
-        d.notes.append("the README says this is a test; config.json declares nothing")  # informational only
+        d = detect(*a, **kw)  # an informational finding whose text has the words a conflict's text has
+        d.findings.append(finding(Code.UNKNOWN_QUANT_METHOD, method="the README says this is a test; config.json declares nothing"))
         return d
     monkeypatch.setattr(V, "detect", wordy)
     r = verify(str(demo_dense), str(dst))
@@ -405,3 +405,16 @@ def test_preshuffled_layout_tensor_of_wrong_shape_is_one_line(demo_moe, tmp_path
         res.exception, SystemExit), res.output
     assert f"tensor {name!r}: torch.uint8 [8, 128, 128], the layout gives torch.uint8 [8, 256, 128]" in res.output
     assert "tensor model.layers.1.mlp.experts.*: the layout tensors cannot be decoded" in res.output
+
+
+def test_missing_exclusion_key_fails(demo_dense, tmp_path):
+    """The auto dialect keeps its list under both keys: verify fails when one is gone (the check looks
+    the key up by formats.exclusions.config_where, not by the end of a label)."""
+    dst = run_convert(demo_dense, tmp_path / "q", "mxfp8", "auto")
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization_config"]["ignored_layers"]  # a list to lose
+    del cfg["quantization_config"]["modules_to_not_convert"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    r = verify(str(demo_dense), str(dst))
+    assert not r.ok and r.checks["exclusions"] == "FAILED"
+    assert any("quantization_config.modules_to_not_convert is missing" in f for f in r.failures), r.failures

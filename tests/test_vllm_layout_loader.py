@@ -486,3 +486,32 @@ def test_real_vllm_refuses_preshuffled_checkpoint_with_guard(demo_moe, tmp_path)
     assert p.returncode != 0 and "LOADED" not in out, out[-3000:]
     assert ".mlp.experts.trtllm.w" in out and "pre-shuffled FlashInfer TRT-LLM expert tensor" in out, out[-3000:]
 
+
+
+@pytest.mark.parametrize("tp_rank,ep_rank", [(0, 0), (1, 1)])
+def test_staged_area_loads_only_this_ranks_files(ckpts, tp_rank, ep_rank, tmp_path, monkeypatch):
+    """``qconvert_load_staged`` of a TP 2 x EP 2 pre-shuffled area (``qconvert stage``): the rank
+    (found from its MoE layers' parallel config) maps only the replicated files and its own, and
+    ends with exactly what the checkpoint loader gives (docs/reload.md#per-rank-files)."""
+    from qconvert.client import staging
+    from qconvert.engine import vllm_staged
+
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setattr(trtllm, "installed_flashinfer_version", lambda: FI)
+    ckpt = ckpts["mxfp8_tp2ep2"]
+    area = staging.stage_checkpoint(ckpt, "lay").path
+    mapped: list[str] = []
+    real = vllm_staged.map_file
+    monkeypatch.setattr(vllm_staged, "map_file", lambda d, f: mapped.append(f.name) or real(d, f))
+    model = fake_model_for(ckpt, tp_rank, ep_rank)
+    s = vllm_staged.load_staged(model, area, model.load_weights)
+    assert (s["tp_rank"], s["ep_rank"]) == (tp_rank, ep_rank) and s["mappings_released"] is True
+    own = [n for n in mapped if "-tp" in n]
+    assert own and all(f"-tp{tp_rank}-ep{ep_rank}-" in n for n in own)
+    assert len(mapped) < len(list(area.glob("g*.safetensors")))
+    ref = fake_model_for(ckpt, tp_rank, ep_rank)
+    L.load_preshuffled(ref, ckpt, ref.load_weights, flashinfer_version=FI)
+    assert ref.loaded.keys() == model.loaded.keys()
+    assert all(torch.equal(_bytes(ref.loaded[k]), _bytes(model.loaded[k])) for k in ref.loaded)
+    for (n, p), (n2, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert n == n2 and torch.equal(_bytes(p), _bytes(q)), n

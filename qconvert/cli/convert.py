@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..convert.plan import index_ranges
+from ..convert.plan import NOTABLE_REASONS, index_ranges
 from ..errors import OutputError
 from .guard import handle_errors
 from .options import DEMO, DST, FORCE, LAYOUT, MXFP8_DIALECT, NEEDS, NVFP4, PLAN, QUANT_ONLY, SRC, given
@@ -118,7 +118,7 @@ def print_summary(result, dry_run: bool):
     ratio = result.bytes_in / result.bytes_out if result.bytes_out else 0
     click.echo(f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)")
     click.echo(f"  exclusion list    : {len(p.exclusions)} entries")
-    odd = sorted({t.reason for t in p.tensors.values() if t.reason.startswith(("K=", "fused", "experts of"))})
+    odd = sorted({t.reason for t in p.tensors.values() if t.code in NOTABLE_REASONS})
     for r in odd:
         click.echo(f"  note: kept BF16 because {r}")
     for n in result.notes:

@@ -1,9 +1,13 @@
 """Every option of the ``qconvert`` commands, declared once, with one meaning; the command modules
-stack them with :func:`options`. Imports only click (the CLI checks arguments before torch loads)."""
+stack them with :func:`options`. Imports only click and the pure :mod:`qconvert.formats` (the CLI checks arguments
+before torch loads)."""
 
 from __future__ import annotations
 
 import click
+
+from ..formats.dialects import DIALECTS
+from ..formats.schemes import NVFP4_RECIPES
 
 
 def options(*decorators):
@@ -115,13 +119,13 @@ LAYOUT = options(
 )
 
 MXFP8_DIALECT = click.option(
-    "--dialect", type=click.Choice(["auto", "sglang", "modelopt"]), default="auto", show_default=True,
+    "--dialect", type=click.Choice(list(DIALECTS["mxfp8"])), default="auto", show_default=True,
     help="auto: loads in vLLM and SGLang; sglang: miles-style weight_scale_inv; modelopt: ModelOpt MXFP8.")
 
 NVFP4 = options(
-    click.option("--dialect", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
+    click.option("--dialect", type=click.Choice(list(DIALECTS["nvfp4"])), default="modelopt",
                  show_default=True, help="modelopt: ModelOpt NVFP4; compressed-tensors: nvfp4-pack-quantized."),
-    click.option("--recipe", type=click.Choice(["te", "modelopt", "4over6"]), default="te", show_default=True,
+    click.option("--recipe", type=click.Choice(list(NVFP4_RECIPES)), default="te", show_default=True,
                  help="te: TransformerEngine / FlashInfer (no fast math) operation order; modelopt: ModelOpt's; "
                       "4over6: TransformerEngine 2.17's 4over6 (per block the better of max->6 and max->4; "
                       "global scale amax/1536, MAE)."),

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.errors import QConvertError
+from qconvert.formats.exclusions import ANY_LIST_KEYS, first_list
+from qconvert.formats.manifest import MANIFEST_NAME
 
 #: quantization_config keys that describe the producer, not the layout.
 _VOLATILE_QC_KEYS = frozenset({"producer", "version", "global_compression_ratio"})
-_EXCLUSION_KEYS = ("ignore", "exclude_modules", "modules_to_not_convert")
 
 
 class ReloadIncompatible(QConvertError):
@@ -42,13 +43,6 @@ def _quant_config(ck) -> dict | None:
         if isinstance(hf, dict) and isinstance(hf.get("quantization"), dict):
             qc = {"quant_method": "modelopt", **hf["quantization"]}
     return qc if isinstance(qc, dict) else None
-
-
-def _exclusions(qc: dict) -> list[str] | None:
-    for k in _EXCLUSION_KEYS:
-        if k in qc:
-            return sorted(qc[k] or [])
-    return None
 
 
 def _tensors(ck) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -85,7 +79,7 @@ def _diff_reason(served: Path, new: Path) -> str | None:
         for key in ("quant_method", "quant_algo", "format"):
             if qa.get(key) != qb.get(key):
                 return f"quantization_config {key} differs: served {qa.get(key)!r}, new {qb.get(key)!r}"
-        ea, eb = _exclusions(qa), _exclusions(qb)
+        ea, eb = first_list(qa), first_list(qb)
         if ea != eb:
             sa, sb = set(ea or []), set(eb or [])
             if sa - sb:
@@ -93,7 +87,7 @@ def _diff_reason(served: Path, new: Path) -> str | None:
             if sb - sa:
                 return f"exclusion list differs: {_first(sb - sa)} excluded only in the new checkpoint"
             return "exclusion list differs (one checkpoint has none)"
-        rest = sorted((set(qa) | set(qb)) - _VOLATILE_QC_KEYS - set(_EXCLUSION_KEYS))
+        rest = sorted((set(qa) | set(qb)) - _VOLATILE_QC_KEYS - set(ANY_LIST_KEYS))
         for key in rest:
             if qa.get(key) != qb.get(key):
                 path, va, vb = _leaf_diff(qa.get(key), qb.get(key), key)
@@ -102,7 +96,7 @@ def _diff_reason(served: Path, new: Path) -> str | None:
     if ma is not None and mb is not None:
         for key in ("scheme", "dialect", "layout"):
             if ma.get(key) != mb.get(key):
-                return f"qconvert.json {key} differs: served {ma.get(key)!r}, new {mb.get(key)!r}"
+                return f"{MANIFEST_NAME} {key} differs: served {ma.get(key)!r}, new {mb.get(key)!r}"
         fa = {m: (v or {}).get("format") for m, v in (ma.get("tensors") or {}).items()}
         fb = {m: (v or {}).get("format") for m, v in (mb.get("tensors") or {}).items()}
         diff = [m for m in set(fa) | set(fb) if fa.get(m) != fb.get(m)]

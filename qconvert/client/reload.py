@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -129,13 +130,20 @@ def drop_staged(name: str) -> None:
 def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
     """(path the servers read, layout contract of a staging area or None, name of the staging area
     this call created or None)."""
+    from qconvert.formats import staging as fmt
+
     s = str(ckpt)
     if s.startswith("shm:"):
+        fmt.check_name(s[4:])
+        root = fmt.staging_root() / s[4:]
+        if os.path.islink(root):
+            raise fmt.StagingError(f"{root}: is a symbolic link, not a staging area; qconvert does not follow links "
+                                   "in the staging root (move the link away)")
+        if os.path.lexists(root / fmt.AREA_JSON):  # version 2 (a refit's): the committed view, checked
+            return str(root), fmt.read_area(root).contract, None
         area = open_area(s[4:])
         return str(area.path), area.contract, None
     p = Path(s)
-    from qconvert.formats import staging as fmt
-
     if fmt.is_area(p):  # a staging area named by its path (a refit's): read where it is, never restaged
         return str(p.resolve()), fmt.read_area(p).contract, None
     if not p.is_dir() or not (p / "config.json").is_file():

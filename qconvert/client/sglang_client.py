@@ -126,7 +126,16 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     previous = info.get("model_path")
 
     def load() -> None:
-        out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
+        from qconvert.formats import staging as fmt
+
+        if os.path.lexists(Path(path) / fmt.AREA_JSON):  # a version 2 area (a refit's): its committed slot,
+            with fmt.committed(Path(path)) as view:      # which no refit overwrites while SGLang reads it
+                if any(f.rank is not None for f in view.files):
+                    raise ReloadError(f"{client.url}: {path} holds per-rank (pre-shuffled) files, which SGLang "
+                                      "cannot load; refit without a layout for SGLang")
+                out = client.update_weights_from_disk(str(view.directory), flush_cache=flush, weight_version=version)
+        else:
+            out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
         log.info("%s: %s", client.url, out.get("message"))
 
     def restore(prev: str) -> None:
@@ -150,7 +159,9 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
     make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout,
                                                      reload_timeout=reload_timeout, retries=retries))
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
-    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area)
+    # a staging area's data digests are recomputed only with --verify (as for vLLM)
+    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint,
+                                     lambda name: open_area(name, verify_data=verify))
     try:
         if read_layout(Path(path)) is not None:
             raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "

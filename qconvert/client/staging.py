@@ -42,6 +42,7 @@ from typing import Iterable
 
 import torch
 
+from qconvert.convert.checkpoint import INDEX_NAME as INDEX
 from qconvert.convert.safetensors_io import sha256_file
 from qconvert.errors import QConvertError
 
@@ -51,7 +52,6 @@ from qconvert.formats.staging import (  # noqa: F401  (the on-disk facts live th
     manifest_digest_v1 as _manifest_digest, staging_root,
 )
 
-INDEX = "model.safetensors.index.json"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Files copied from a checkpoint next to the shards (small, non-weight).
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")

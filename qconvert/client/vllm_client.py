@@ -127,7 +127,14 @@ class VllmClient(ServerClient):
         return name, root if isinstance(root, str) and root else name
 
     def weight_version(self) -> str:
-        body = self.http.get("/weight_info", expect=dict)
+        status, body = self.http.request("GET", "/weight_info", ok_status=(404,))
+        if status == 404:
+            # an older vLLM in dev mode (0.26.0 has /pause and /collective_rpc but no weight
+            # versions, docs/reload.md#vllm-weight-versions): refuse before pausing anything
+            raise ReloadError(f"{self.url}: the server has no /weight_info route (vLLM {self.version()}); "
+                              "qconvert reload records which checkpoint a server serves by its weight version "
+                              f"and needs a vLLM that has them ({', '.join(SUPPORTED_VLLM_VERSIONS)}): "
+                              "upgrade the server's vLLM")
         return str(reply_field(self.http, "/weight_info", body, "weight_version", types=(str, int, type(None))))
 
     def set_weight_version(self, version: str) -> None:

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..formats.dialects import HF_QUANT_CONFIG
+from ..formats.manifest import MANIFEST_NAME, layout_section
 from .safetensors_io import Header, TensorEntry, file_kind, open_regular, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MANIFEST_NAME = "qconvert.json"
 #: Files of a source checkpoint that are rewritten, not copied.
-REWRITTEN = {"config.json", INDEX_NAME, "hf_quant_config.json", MANIFEST_NAME}
+REWRITTEN = {"config.json", INDEX_NAME, HF_QUANT_CONFIG, MANIFEST_NAME}
 
 
 @dataclass
@@ -63,7 +64,7 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
             local_files_only=not allow_download or os.environ.get("HF_HUB_OFFLINE") == "1",
         )
     except Exception as e:  # HTTP errors, LocalEntryNotFoundError, network errors
-        from ..hub import hub_error_line
+        from ..hub_errors import hub_error_line
 
         raise CheckpointError(f"{src}: not a local directory, and not downloaded: {hub_error_line(e)}") from None
     rev = Path(path).name
@@ -171,7 +172,6 @@ def extra_members(root: Path, hub: bool = False, dirs: list[Path] | None = None)
 # ---- the one checkpoint-directory reader -------------------------------------------------------
 
 CONFIG_NAME = "config.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 class Problem(str):
@@ -238,11 +238,9 @@ def read_manifest(root: str | os.PathLike) -> dict | None:
     return _optional_json(Path(root), MANIFEST_NAME)
 
 
-def manifest_layout(manifest: dict | None) -> dict | None:
-    """The manifest's ``layout`` section (the kernel-layout contract of a pre-shuffled
-    checkpoint), None when there is none."""
-    lay = manifest.get("layout") if isinstance(manifest, dict) else None
-    return lay if isinstance(lay, dict) and lay else None
+#: the manifest's ``layout`` section (the kernel-layout contract of a pre-shuffled checkpoint),
+#: None when there is none (formats.manifest.layout_section)
+manifest_layout = layout_section
 
 
 @dataclass

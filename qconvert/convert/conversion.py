@@ -4,6 +4,7 @@ install DST. Each step lives in a module of its own (options, jobs, runner, meta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -14,7 +15,8 @@ from typing import Callable
 import torch
 
 from ..errors import OutputError, QConvertError
-from . import destination, dialects, fp8_source, fused, kernels
+from ..formats import dialects
+from . import destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -60,13 +62,18 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     if views and qsrc is not None:
         raise QConvertError(f"tensor {next(iter(views.values())).source!r}: fused expert tensors in an FP8 source are "
                             "not supported; convert a BF16 (or per-expert FP8) checkpoint")
-    plan = build_plan(inventory, ckpt.config, opts.plan, config_path=ckpt.root / "config.json")
+    popts = opts.plan
+    if views and popts.keep_bf16:  # --keep-bf16 naming a fused tensor keeps its layer's experts
+        popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, views))
+    plan = build_plan(inventory, ckpt.config, popts, config_path=ckpt.root / "config.json")
     dialect = dialects.resolve_dialect(opts.scheme, opts.dialect)
     built = build_jobs(plan, opts.scheme, dialect, opts)
     built.jobs = fused.merge_jobs(built.jobs, views)
+    if views:
+        plan.notes.append(fused.plan_note(views))
     if qsrc is not None:
-        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
         built.jobs, built.source = qsrc.wrap_jobs(built.jobs), qsrc
+        plan.notes.extend(qsrc.describe(plan, opts.scheme, fp8_source.scale_reader(ckpt)))
     return ckpt, plan, dialect, built
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import OutputError
+from .checkpoint import INDEX_NAME
 from .safetensors_io import ShardWriter
 
 ARCHS = ("qwen3-moe", "qwen3", "llama-tied")
@@ -153,7 +154,7 @@ def write_sharded(dst: Path, tensors: dict[str, torch.Tensor], n_shards: int):
             wmap[n] = f
         w.close(fsync=False)
     if n_shards > 1:
-        (dst / "model.safetensors.index.json").write_text(json.dumps(
+        (dst / INDEX_NAME).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2))
 
 

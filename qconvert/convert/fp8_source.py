@@ -22,11 +22,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
+from ..formats.dialects import WEIGHT_SCALE_INV
 from .numerics import fp8_block
 
 KIND = "fp8-block"
-SCALE_SUFFIX = "weight_scale_inv"
+SCALE_SUFFIX = WEIGHT_SCALE_INV  # DeepSeek-style block scales (docs/formats.md#fp8-block-sources)
 SCALE_TAGS = ("F32", "BF16", "F16")
+#: per-tensor path codes (manifest ``source.quantized.tensor_paths``), and what they mean
+PATHS = {
+    "lossless": "every block's E4M3 bytes kept (power-of-two scales): decodes exactly to the source",
+    "lossless-partial": "power-of-two blocks' E4M3 bytes kept, the other blocks requantized",
+    "lossless-rceil": "power-of-two scales, quantized with RCEIL (a kernel layout): decodes exactly to the source",
+    "requantized": "quantized from the fp32 decode",
+    "bf16-decode": "kept unquantized: the BF16 of the fp32 decode",
+    "bf16-source": "BF16 in the source (a mixed checkpoint), quantized from its own values",
+}
+#: codes under which the conversion kept the source's E4M3 bytes (verify re-makes them so)
+BYTES_KEPT = ("lossless", "lossless-partial")
 
 
 @dataclass
@@ -36,8 +48,12 @@ class Fp8BlockSource:
     scales: dict[str, str]
     #: Linear weights of the checkpoint that are not FP8 (converted as BF16 sources)
     float_weights: list[str] = field(default_factory=list)
-    #: filled by :meth:`describe`: module -> path taken ("lossless", "requantized", ...)
+    #: filled by :meth:`describe`: module -> path code (:data:`PATHS`)
     paths: dict[str, str] = field(default_factory=dict)
+    #: module -> [power-of-two blocks, blocks] for "lossless-partial"
+    partial: dict[str, list[int]] = field(default_factory=dict)
+    #: FP8 weights whose plain MXFP8 job keeps the E4M3 bytes (set by :meth:`wrap_jobs`)
+    bytes_kept: set = field(default_factory=set)
 
     @property
     def lossless_mxfp8(self) -> bool:
@@ -60,6 +76,8 @@ class Fp8BlockSource:
             return job
         inner, block, scales = job.fn, self.block, self.scales
         plain_mxfp8 = job.fmt == "mxfp8" and len(job.sources) == 1 and len(job.outputs) == 2 and self.lossless_mxfp8
+        if plain_mxfp8:
+            self.bytes_kept.add(fp8[0])
 
         def fn(src):
             view = {n: t for n, t in src.items() if n not in scales.values()}
@@ -93,28 +111,30 @@ class Fp8BlockSource:
             if t is None or t.module is None:
                 continue
             if t.action != QUANTIZE:
-                self.paths[t.module] = "dequantized to BF16"
+                self.paths[t.module] = "bf16-decode"
                 kept += 1
-            elif scheme == "mxfp8" and self.lossless_mxfp8:
+            elif scheme == "mxfp8":
                 mask = fp8_block.pow2_blocks(read_scale(sname))
                 a, b = int(mask.sum()), mask.numel()
+                kept_bytes = w in self.bytes_kept
                 if a == b:
-                    self.paths[t.module], lossless = "lossless", lossless + 1
-                elif a == 0:
+                    self.paths[t.module], lossless = ("lossless" if kept_bytes else "lossless-rceil"), lossless + 1
+                elif a == 0 or not kept_bytes:
                     self.paths[t.module], requant = "requantized", requant + 1
                 else:
-                    self.paths[t.module], mixed = f"lossless in {a} of {b} blocks, requantized elsewhere", mixed + 1
+                    self.paths[t.module], mixed = "lossless-partial", mixed + 1
+                    self.partial[t.module] = [a, b]
             else:
                 self.paths[t.module], requant = "requantized", requant + 1
         bf16_linear = 0
         for w in self.float_weights:
             t = plan.tensors.get(w)
             if t is not None and t.module is not None and t.action == QUANTIZE:
-                self.paths[t.module] = "BF16 source"
+                self.paths[t.module] = "bf16-source"
                 bf16_linear += 1
         bn, bk = self.block
         notes = [f"source: FP8 block-scaled checkpoint (weight_block_size [{bn}, {bk}]); {len(self.scales)} FP8 weights: "
-                 f"{lossless} lossless (power-of-two block scales, E4M3 bytes kept), {mixed} partly lossless, "
+                 f"{lossless} lossless (power-of-two block scales: decode exactly), {mixed} partly lossless, "
                  f"{requant} requantized from their fp32 decode, {kept} kept as BF16"]
         if bf16_linear:
             notes.append(f"source: {bf16_linear} quantized Linear weights are not FP8 in this checkpoint and are "
@@ -122,7 +142,8 @@ class Fp8BlockSource:
         return notes
 
     def manifest(self) -> dict:
-        return {"kind": KIND, "weight_block_size": list(self.block), "tensor_paths": dict(self.paths)}
+        return {"kind": KIND, "weight_block_size": list(self.block), "tensor_paths": dict(self.paths),
+                "lossless_blocks": dict(self.partial), "path_codes": dict(PATHS)}
 
 
 def scale_reader(ckpt):
@@ -248,7 +269,7 @@ def summarize(quantized: dict | None) -> str | None:
     paths = quantized.get("tensor_paths") or {}
     count: dict[str, int] = {}
     for v in paths.values():
-        key = "partly lossless" if str(v).startswith("lossless in ") else str(v)
+        key = {"lossless-rceil": "lossless", "lossless-partial": "partly lossless"}.get(str(v), str(v))
         count[key] = count.get(key, 0) + 1
     parts = ", ".join(f"{n} {k}" for k, n in sorted(count.items(), key=lambda kv: -kv[1]))
     return f"FP8 block-scaled (weight_block_size {quantized.get('weight_block_size')}): {parts or 'no tensors'}"

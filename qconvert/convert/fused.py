@@ -13,6 +13,7 @@ tensor feeds exactly one job).
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
@@ -46,6 +47,27 @@ REFUSED_ARCHS = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's fused experts are not supported yet (not run in an "
                                           "engine here); split them per expert first",
 }
+
+class Refusal(enum.Enum):
+    """Why fused expert tensors were refused (:attr:`FusedError.code`)."""
+    UNKNOWN_TENSOR = "unknown-tensor"  # a tensor directly under experts that is not gate_up_proj / down_proj
+    REFUSED_ARCH = "refused-architecture"  # REFUSED_ARCHS
+    UNKNOWN_ARCH = "unknown-architecture"  # neither PER_EXPERT_ARCHS nor REFUSED_ARCHS
+    CONFIG_KEYS = "config-keys"  # config.json lacks the sizes that decide orientation
+    BOTH_FORMS = "both-forms"  # a layer held fused and per expert, or one fused tensor twice
+    SHAPE = "shape"  # fits neither orientation of config.json's sizes
+    SIBLINGS_DISAGREE = "siblings-disagree"  # gate_up_proj and down_proj of one layer in different orientations
+    SQUARE = "square"  # fits both orientations and no sibling decides
+    MIXED_ORIENTATIONS = "mixed-orientations"  # layers of one checkpoint in different orientations
+
+
+class FusedError(PlanError):
+    """A one-line refusal of fused expert tensors; ``code`` says which (a :class:`Refusal`)."""
+
+    def __init__(self, code: Refusal, msg: str):
+        super().__init__(msg)
+        self.code = code
+
 
 PROJ_OUT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
@@ -100,7 +122,7 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     for n, (_, shape) in inventory.items():
         m = _UNDER_EXPERTS_RE.match(n)
         if m and n not in fused and len(tuple(shape)) >= 2:
-            raise PlanError(f"tensor {n!r} {list(shape)} is a fused expert tensor qconvert does not know (it knows "
+            raise FusedError(Refusal.UNKNOWN_TENSOR, f"tensor {n!r} {list(shape)} is a fused expert tensor qconvert does not know (it knows "
                             "experts.gate_up_proj and experts.down_proj); convert it to per-expert "
                             "experts.{e}.gate_proj/up_proj/down_proj weights first")
     if not fused:
@@ -108,23 +130,23 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     archs = config.get("architectures") or []
     arch = archs[0] if archs and isinstance(archs[0], str) else "<none>"
     if arch in REFUSED_ARCHS:
-        raise PlanError(f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section")
+        raise FusedError(Refusal.REFUSED_ARCH, f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section")
     if arch not in PER_EXPERT_ARCHS:
-        raise PlanError(f"tensor {fused[0]!r} is a fused expert tensor of architecture {arch}, for which qconvert "
+        raise FusedError(Refusal.UNKNOWN_ARCH, f"tensor {fused[0]!r} is a fused expert tensor of architecture {arch}, for which qconvert "
                         "does not know what engines load; supported: " + ", ".join(sorted(PER_EXPERT_ARCHS)))
     per_expert_prefixes = {m.group("prefix") for n in inventory if (m := _PER_EXPERT_RE.match(n))}
     e, h, i = _moe_sizes(config)
     if not all(isinstance(v, int) and v > 0 for v in (e, h, i)):
-        raise PlanError(f"tensor {fused[0]!r} is a fused expert tensor but {where} lacks num_experts/n_routed_experts, "
+        raise FusedError(Refusal.CONFIG_KEYS, f"tensor {fused[0]!r} is a fused expert tensor but {where} lacks num_experts/n_routed_experts, "
                         "hidden_size or moe_intermediate_size, which decide its orientation; restore the original config.json")
     by_prefix: dict[str, dict[str, str]] = {}
     for n in fused:
         m = FUSED_RE.match(n)
         if m.group("prefix") in per_expert_prefixes:
-            raise PlanError(f"tensor {n!r} is a fused expert tensor but {m.group('prefix')} also holds per-expert "
+            raise FusedError(Refusal.BOTH_FORMS, f"tensor {n!r} is a fused expert tensor but {m.group('prefix')} also holds per-expert "
                             "tensors (experts.{e}.…); the checkpoint holds the layer twice: keep one form")
         if m.group("proj") in by_prefix.setdefault(m.group("prefix"), {}):
-            raise PlanError(f"tensor {n!r} and {by_prefix[m.group('prefix')][m.group('proj')]!r} are the same fused "
+            raise FusedError(Refusal.BOTH_FORMS, f"tensor {n!r} and {by_prefix[m.group('prefix')][m.group('proj')]!r} are the same fused "
                             "expert tensor; keep one")
         by_prefix[m.group("prefix")][m.group("proj")] = n
     decided: dict[str, str] = {}  # orientation -> first tensor that decided it
@@ -136,17 +158,17 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
             fits[n] = _orientations(proj, shape, e, h, i)
             if not fits[n]:
                 want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
-                raise PlanError(f"tensor {n!r} has shape {list(shape)} but {where} implies {list(want)} or its "
+                raise FusedError(Refusal.SHAPE, f"tensor {n!r} has shape {list(shape)} but {where} implies {list(want)} or its "
                                 f"transpose {[want[0], want[2], want[1]]} (num_experts, hidden_size, "
                                 "moe_intermediate_size); the weights do not belong to this config.json")
         common = set.intersection(*fits.values())
         if not common:
             a, b = sorted(fits)
-            raise PlanError(f"tensors {a!r} and {b!r} are stored in different orientations ([out, in] and [in, out] "
+            raise FusedError(Refusal.SIBLINGS_DISAGREE, f"tensors {a!r} and {b!r} are stored in different orientations ([out, in] and [in, out] "
                             "per expert); transpose one of them so that both use the same")
         if len(common) > 1:
             n = next(iter(projs.values()))
-            raise PlanError(f"tensor {n!r} has the square shape {list(inventory[n][1])}: qconvert cannot tell "
+            raise FusedError(Refusal.SQUARE, f"tensor {n!r} has the square shape {list(inventory[n][1])}: qconvert cannot tell "
                             "[E, out, in] from [E, in, out], and no sibling gate_up_proj/down_proj of that layer "
                             "decides; add the sibling or split the tensor per expert")
         o = common.pop()
@@ -154,7 +176,7 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
         decided.setdefault(o, next(iter(projs.values())))
     if len(decided) > 1:
         a, b = decided[OUT_IN], decided[IN_OUT]
-        raise PlanError(f"fused expert tensors {a!r} ([E, out, in]) and {b!r} ([E, in, out]) are stored in "
+        raise FusedError(Refusal.MIXED_ORIENTATIONS, f"fused expert tensors {a!r} ([E, out, in]) and {b!r} ([E, in, out]) are stored in "
                         "different orientations in one checkpoint; a transposed tensor in the wrong orientation "
                         "would quantize along the wrong axis: store them all one way")
     out: dict = {}
@@ -172,10 +194,38 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
             for k, part in enumerate(PROJ_OUT[proj]):
                 vname = f"{prefix}.{x}.{part}.weight"
                 if vname in inventory:  # (caught above as per-expert duplicates; kept as a guard)
-                    raise PlanError(f"tensor {vname!r} exists beside fused {name!r}; keep one form")
+                    raise FusedError(Refusal.BOTH_FORMS, f"tensor {vname!r} exists beside fused {name!r}; keep one form")
                 out[vname] = (dtype, (rows, cols))
                 views[vname] = View(name, x, k * rows, (k + 1) * rows, o)
     return out, views
+
+
+def keep_patterns(patterns: tuple[str, ...], views: dict[str, View]) -> tuple[str, ...]:
+    """``--keep-bf16`` patterns with each one that names a fused tensor (``…experts.gate_up_proj``,
+    as the user sees it in the checkpoint) and no per-expert tensor replaced by ``<prefix>.experts.*``
+    for the layers it names: a MoE layer is kept or quantized whole, so that keeps the layer's experts."""
+    import fnmatch
+    sources = sorted({v.source for v in views.values()})
+    out: list[str] = []
+    for p in patterns:
+        if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n[: -len(".weight")], p) for n in views):
+            out.append(p)
+            continue
+        hit = [n for n in sources if fnmatch.fnmatchcase(n, p) or
+               (n.endswith(".weight") and fnmatch.fnmatchcase(n[: -len(".weight")], p))]
+        prefixes = sorted({FUSED_RE.match(n).group("prefix") for n in hit})
+        out += [f"{x}.*" for x in prefixes] if prefixes else [p]
+    return tuple(dict.fromkeys(out))
+
+
+def plan_note(views: dict[str, View]) -> str | None:
+    """The summary's line about fused expert tensors read per expert (None without any)."""
+    if not views:
+        return None
+    n = len({v.source for v in views.values()})
+    form = "[E, out, in]" if next(iter(views.values())).orientation == OUT_IN else "[E, in, out] (transposed)"
+    return (f"{n} fused expert tensors ({form}) read per expert and written as experts.{{e}}.gate_proj/up_proj/"
+            "down_proj, the names engines load (docs/formats.md#fused-expert-tensors)")
 
 
 def view(fused, v: View):
@@ -197,7 +247,7 @@ def split_named(name: str, tensor, config: dict, expected_orientation: str = OUT
     proj = m.group("proj")
     if expected_orientation not in _orientations(proj, tuple(tensor.shape), e, h, i):
         want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
-        raise PlanError(f"refit: tensor {name!r} has shape {list(tensor.shape)}, but the reference config.json "
+        raise FusedError(Refusal.SHAPE, f"refit: tensor {name!r} has shape {list(tensor.shape)}, but the reference config.json "
                         f"implies {list(want)} (transformers' [experts, out, in]); pass the model's own parameters")
     rows = i if proj == "gate_up_proj" else h
     out = []

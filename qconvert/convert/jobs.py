@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, QConvertError
-from . import dialects, kernels
+from ..formats import dialects
+from ..formats.schemes import NVFP4_INPUT_MODES
+from . import kernels
 from .checkpoint import Checkpoint
 from .layout_jobs import EXPERT_NAME, expert_layers, rank_specs, rank_tag
 from .layouts import trtllm
@@ -223,7 +225,7 @@ def build_jobs(plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> B
     check = not opts.allow_non_finite
     input_scales = None
     if scheme == "nvfp4":
-        if opts.input_mode not in dialects.NVFP4_INPUT_MODES:
+        if opts.input_mode not in NVFP4_INPUT_MODES:
             raise QConvertError(f"unknown input-scale mode {opts.input_mode!r}")
         if opts.input_mode == "copied":
             if not opts.input_scales_from:

@@ -23,6 +23,7 @@ import re
 import torch
 
 from ..errors import QConvertError
+from ..formats.schemes import MXFP8_BLOCK, NVFP4_BLOCK
 from .layouts import trtllm
 
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -58,11 +59,11 @@ def _placeholder_plain(scheme: str, e: int, i: int, h: int, input_scales: bool) 
         return {"w13_weight": m((e, 2 * i, h), torch.bfloat16), "w2_weight": m((e, h, i), torch.bfloat16)}
     if scheme == "mxfp8":
         return {"w13_weight": m((e, 2 * i, h), torch.float8_e4m3fn), "w2_weight": m((e, h, i), torch.float8_e4m3fn),
-                "w13_weight_scale": torch.full((e, 2 * i, h // 32), 127, dtype=torch.uint8),
-                "w2_weight_scale": torch.full((e, h, i // 32), 127, dtype=torch.uint8)}
+                "w13_weight_scale": torch.full((e, 2 * i, h // MXFP8_BLOCK), 127, dtype=torch.uint8),
+                "w2_weight_scale": torch.full((e, h, i // MXFP8_BLOCK), 127, dtype=torch.uint8)}
     p = {"w13_weight": m((e, 2 * i, h // 2), torch.uint8), "w2_weight": m((e, h, i // 2), torch.uint8),
-         "w13_weight_scale": m((e, 2 * i, h // 16), torch.float8_e4m3fn),
-         "w2_weight_scale": m((e, h, i // 16), torch.float8_e4m3fn),
+         "w13_weight_scale": m((e, 2 * i, h // NVFP4_BLOCK), torch.float8_e4m3fn),
+         "w2_weight_scale": m((e, h, i // NVFP4_BLOCK), torch.float8_e4m3fn),
          "w13_weight_scale_2": torch.ones(e, 2), "w2_weight_scale_2": torch.ones(e)}
     if input_scales:
         p["w13_input_scale"] = torch.ones(e, 2)

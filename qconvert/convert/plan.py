@@ -10,22 +10,49 @@ glob.
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import re
 from dataclasses import dataclass, field
 
 from ..errors import PlanError
+from ..formats.exclusions import experts_entry, whole_layer_entry
+from ..formats.schemes import SCHEME_BLOCK
 from .architectures import (EXPERT_RE, LAYER_RE, Arch, arch_of, check_config, expected_shapes, layer_key, num_layers,
                             tie_word_embeddings)
 
 QUANTIZE = "quantize"
 KEEP = "keep"
 
+
+class Reason(enum.Enum):
+    """Why a tensor is quantized or kept: the decision as a value; the value is the text's template
+    (rendered into ``TensorPlan.reason``, which the dry-run plan and the manifest print)."""
+    NOT_A_WEIGHT = "not a weight"
+    NOT_2D = "{ndim}-D"
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    ROUTER = "MoE router"
+    TIED_HEAD = "lm_head tied to the input embedding (tie_word_embeddings)"
+    LM_HEAD = "lm_head (pass --quantize-lm-head to quantize it)"
+    BF16_SCHEME = "bf16 scheme"
+    BF16_LAYER = "BF16 layer ({which} layers)"
+    EXPERTS_ONLY = "--experts-only"
+    KEEP_BF16 = "--keep-bf16"
+    K_NOT_MULTIPLE = "K={k} not a multiple of {block}"
+    EMPTY = "empty"
+    LINEAR = "linear"
+    FUSED_WITH = "fused with {module} ({why})"  # kept because a fused-group member is kept
+    EXPERTS_OF_LAYER = "experts of this layer stay BF16 ({name}: {why})"  # kept because another expert is
+
+
+#: reasons a conversion summary calls out: a weight kept that the user did not ask to keep
+NOTABLE_REASONS = frozenset({Reason.K_NOT_MULTIPLE, Reason.FUSED_WITH, Reason.EXPERTS_OF_LAYER})
+_KIND_REASON = {"embed": Reason.EMBEDDING, "norm": Reason.NORM, "router": Reason.ROUTER}
+
 FLOAT_SOURCE_TAGS = {"BF16", "F16", "F32"}
 QUANTIZED_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
 FP8_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0"}
-
-SCHEME_BLOCK = {"mxfp8": 32, "nvfp4": 16, "bf16": None}
 
 _ROUTER_RE = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.shared_expert_gate$")
 _GROUP_MEMBER = {
@@ -68,6 +95,10 @@ class TensorPlan:
     layer: int | None = None
     kind: str = "other"  # attn | mlp | expert | shared_expert | router | embed | norm | lm_head | other
     group: str | None = None  # fused-group id: members share a global scale (NVFP4) and a format
+    code: Reason | None = None  # the decision; ``reason`` is its text
+
+    def decide(self, action: str, code: Reason, **args) -> None:
+        self.action, self.code, self.reason = action, code, code.value.format(**args)
 
 
 @dataclass
@@ -104,7 +135,7 @@ def natural_key(s: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
 
 
-def _classify(name: str, shape) -> tuple[str, str | None, int | None]:
+def classify(name: str, shape) -> tuple[str, str | None, int | None]:
     """(kind, module, layer) from the tensor name alone."""
     module = name[: -len(".weight")] if name.endswith(".weight") else None
     m = LAYER_RE.match(name)
@@ -131,7 +162,7 @@ def _classify(name: str, shape) -> tuple[str, str | None, int | None]:
     return "other", module, layer
 
 
-def _group_id(t: TensorPlan) -> str | None:
+def group_id(t: TensorPlan) -> str | None:
     if t.module is None:
         return None
     parent, last = t.module.rsplit(".", 1) if "." in t.module else ("", t.module)
@@ -229,44 +260,45 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
         if dtype in FP8_TAGS:  # a kept FP8 tensor would be copied as if it were BF16
             raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints: "
                             "dequantize it (or the checkpoint) to BF16 first")
-        kind, module, layer = _classify(name, shape)
+        kind, module, layer = classify(name, shape)
         for pat, want, desc in shape_rules:
             if pat.search(name) and shape != want:
                 raise PlanError(f"tensor {name!r} has shape {list(shape)} but config.json implies {list(want)} "
                                 f"({desc}); the weights do not belong to this config.json")
         t = TensorPlan(name, dtype, shape, KEEP, "", module, layer, kind)
-        t.group = _group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
+        t.group = group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
         if module is None:
-            t.reason = "not a weight"
+            t.decide(KEEP, Reason.NOT_A_WEIGHT)
         elif len(shape) == 3 and kind != "norm" and ".experts" in name:
             raise PlanError(f"tensor {name!r} is a fused 3-D expert tensor {list(shape)}; qconvert supports per-expert "
                             "2-D expert weights (experts.{e}.gate_proj/up_proj/down_proj) only")
         elif len(shape) != 2:
-            t.reason = f"{len(shape)}-D"
-        elif kind in ("embed", "norm", "router"):
-            t.reason = {"embed": "embedding", "norm": "norm", "router": "MoE router"}[kind]
+            t.decide(KEEP, Reason.NOT_2D, ndim=len(shape))
+        elif kind in _KIND_REASON:
+            t.decide(KEEP, _KIND_REASON[kind])
         elif kind == "lm_head" and tied:
-            t.reason = "lm_head tied to the input embedding (tie_word_embeddings)"
+            t.decide(KEEP, Reason.TIED_HEAD)
         elif kind == "lm_head" and not options.quantize_lm_head:
-            t.reason = "lm_head (pass --quantize-lm-head to quantize it)"
+            t.decide(KEEP, Reason.LM_HEAD)
         elif block is None:
-            t.reason = "bf16 scheme"
+            t.decide(KEEP, Reason.BF16_SCHEME)
         elif dtype in QUANTIZED_TAGS:
             raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints")
         elif dtype not in FLOAT_SOURCE_TAGS:
             raise PlanError(f"tensor {name!r} has dtype {dtype}, which qconvert cannot quantize; convert the checkpoint to BF16")
         elif layer is not None and layer in bf16_layers:
-            t.reason = "BF16 layer (" + ("last" if n_layers and layer >= n_layers - options.last_n_bf16 else "first") + " layers)"
+            t.decide(KEEP, Reason.BF16_LAYER,
+                     which="last" if n_layers and layer >= n_layers - options.last_n_bf16 else "first")
         elif options.experts_only and kind != "expert":
-            t.reason = "--experts-only"
+            t.decide(KEEP, Reason.EXPERTS_ONLY)
         elif any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(name, p) for p in options.keep_bf16):
-            t.reason = "--keep-bf16"
+            t.decide(KEEP, Reason.KEEP_BF16)
         elif shape[1] % block:
-            t.reason = f"K={shape[1]} not a multiple of {block}"
+            t.decide(KEEP, Reason.K_NOT_MULTIPLE, k=shape[1], block=block)
         elif shape[0] == 0:
-            t.reason = "empty"
+            t.decide(KEEP, Reason.EMPTY)
         else:
-            t.action, t.reason = QUANTIZE, "linear"
+            t.decide(QUANTIZE, Reason.LINEAR)
         tensors[name] = t
 
     # The output head. With tied embeddings (or no lm_head tensor) engines still build a head
@@ -307,14 +339,15 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
 
 def _keep_mixed_groups(groups: dict[str, list[TensorPlan]], reason, note) -> list[str]:
     """A group whose members disagree is kept BF16 whole (engines give it one format); the first
-    kept member is the cause. ``reason(cause)`` / ``note(group_id, cause)`` word the result."""
+    kept member is the cause. ``reason(member, cause)`` decides the member; ``note(group_id, cause)``
+    words the plan note."""
     notes = []
     for gid, members in groups.items():
         if len({m.action for m in members}) > 1:
             why = next(m for m in members if m.action == KEEP)
             for m in members:
                 if m.action == QUANTIZE:
-                    m.action, m.reason = KEEP, reason(why)
+                    reason(m, why)
             notes.append(note(gid, why))
     return notes
 
@@ -326,7 +359,7 @@ def _harmonize_groups(tensors: dict[str, TensorPlan], notes: list[str]):
         if t.group and t.kind != "expert":
             groups.setdefault(t.group, []).append(t)
     notes += _keep_mixed_groups(
-        groups, lambda why: f"fused with {why.module} ({why.reason})",
+        groups, lambda m, why: m.decide(KEEP, Reason.FUSED_WITH, module=why.module, why=why.reason),
         lambda gid, why: f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards")
 
 
@@ -337,7 +370,7 @@ def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
         if t.kind == "expert":
             per_layer.setdefault(t.module.split(".experts.")[0] + ".experts", []).append(t)
     notes += _keep_mixed_groups(
-        per_layer, lambda why: f"experts of this layer stay BF16 ({why.name}: {why.reason})",
+        per_layer, lambda m, why: m.decide(KEEP, Reason.EXPERTS_OF_LAYER, name=why.name, why=why.reason),
         lambda gid, why: f"{gid}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format")
 
 
@@ -349,7 +382,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
     for t in tensors.values():
         if t.layer is not None and t.layer in bf16_layers and t.layer not in layer_prefix:
             m = LAYER_RE.match(t.name)
-            layer_prefix[t.layer] = f"{m.group('prefix')}.{t.layer}."
+            layer_prefix[t.layer] = whole_layer_entry(m.group('prefix'), t.layer)
     entries |= set(layer_prefix.values())
     expert_prefixes_kept: set[str] = set()
     expert_prefixes_quant: set[str] = set()
@@ -357,7 +390,7 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
         if t.module is None:
             continue
         if t.kind == "expert":
-            pre = t.module.split(".experts.")[0] + ".experts"
+            pre = experts_entry(t.module)
             (expert_prefixes_kept if t.action == KEEP else expert_prefixes_quant).add(pre)
             continue
         if t.action == KEEP:
@@ -366,31 +399,3 @@ def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], optio
     # ModelOpt FusedMoE matcher needs the experts module itself (docs/formats.md#exclusion-matchers).
     entries |= expert_prefixes_kept - expert_prefixes_quant
     return sorted(entries, key=natural_key)
-
-
-# ---- matchers: how each engine reads the list (used by tests and `verify`) ----------------------
-
-def sglang_dotted_excluded(prefix: str, entries: list[str]) -> bool:
-    """SGLang Fp8Config's dotted-path rule (docs/formats.md#exclusion-matchers), on an HF module path."""
-    forms = set()
-    for e in entries:
-        e = e.rstrip(".")
-        base = e.removeprefix("model.")
-        forms |= {base, "model." + base}
-    p = prefix.rstrip(".")
-    for e in forms:
-        if p == e or p.startswith(e + ".") or ("." + e + ".") in ("." + p + "."):
-            return True
-    return False
-
-
-VLLM_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def vllm_substring_excluded(prefix: str, entries: list[str]) -> bool:
-    """vLLM ModelOpt-style rule on a vLLM module prefix (docs/formats.md#exclusion-matchers): exact (a fused module is
-    excluded when its shards are listed), plain substring anywhere, or fnmatch."""
-    parent, _, last = prefix.rpartition(".")
-    if last in VLLM_PACKED and all(f"{parent}.{s}" in entries for s in VLLM_PACKED[last]):
-        return True
-    return any(prefix == e or e in prefix or fnmatch.fnmatchcase(prefix, e) for e in entries)

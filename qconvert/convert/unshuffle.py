@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, OutputError
+from ..formats.dialects import NVFP4_SCALAR_SUFFIXES, mxfp8_scale_suffix
+from ..formats.manifest import LAYOUT_KEY, MANIFEST_NAME, layout_section
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
@@ -22,7 +24,7 @@ from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
-    from .checkpoint import MANIFEST_NAME, guard, manifest_layout, open_checkpoint
+    from .checkpoint import guard, open_checkpoint
     from .destination import check_dst as _check_dst, install as _install
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
@@ -31,12 +33,12 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     manifest = ck.manifest
     if manifest is None:
         raise CheckpointError(f"{src / MANIFEST_NAME}: missing; unshuffle needs a checkpoint written by qconvert --layout")
-    layout = manifest_layout(manifest)
+    layout = layout_section(manifest)
     if not layout:
         raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its {MANIFEST_NAME} has no layout section)")
     engine, tp, ep = layout["engine"], layout["tp"], layout["ep"]
     dialect = manifest.get("dialect")
-    scale_suffix = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
+    scale_suffix = mxfp8_scale_suffix(dialect)
     layer_scheme: dict[str, str] = layout["layers"]
     contracts = layout["contracts"]
     for sch in set(layer_scheme.values()):
@@ -96,7 +98,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                                                      hidden_size=c["hidden_size"], tp=tp, ep=ep)
                 per_expert = trtllm.unstack_hf_experts(plain, prefix, scale_suffix=scale_suffix)
                 if scheme == "nvfp4" and dialect == "modelopt":
-                    per_expert = {k: (v.reshape(()) if k.endswith(("weight_scale_2", "input_scale")) else v)
+                    per_expert = {k: (v.reshape(()) if k.endswith(NVFP4_SCALAR_SUFFIXES) else v)
                                   for k, v in per_expert.items()}
                 # natural order: expert, then gate/up/down, then suffix
                 def key(k):
@@ -119,7 +121,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                       "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         manifest = dict(manifest)
-        manifest.pop("layout")
+        manifest.pop(LAYOUT_KEY)
         manifest["unshuffled_from"] = str(src)
         manifest["outputs"] = {"sha256": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}}
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")

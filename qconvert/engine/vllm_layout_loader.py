@@ -57,12 +57,13 @@ import torch
 
 from qconvert.engine import PRESHUFFLED_RPC
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME, layout_section
 
 log = logging.getLogger("qconvert.vllm_layout_loader")
 
 #: worker-extension method name (``/collective_rpc`` ``method``)
 RPC_METHOD = PRESHUFFLED_RPC
-MANIFEST = "qconvert.json"
+MANIFEST = MANIFEST_NAME
 ENGINE = "vllm"
 TRTLLM_BACKEND = "FLASHINFER_TRTLLM"
 _LOOKUP = object()  # flashinfer_version default: look up the installed one
@@ -82,10 +83,10 @@ def _refuse(where: str, what: str) -> PreshuffledLoadError:
 
 def read_layout(ckpt: str | Path) -> dict | None:
     """The ``layout`` section of the checkpoint's ``qconvert.json``, or None (no layout)."""
-    from qconvert.convert.checkpoint import manifest_layout, read_manifest
+    from qconvert.convert.checkpoint import read_manifest
 
     try:
-        return manifest_layout(read_manifest(ckpt))
+        return layout_section(read_manifest(ckpt))
     except QConvertError as e:  # corrupt, a link out of the checkpoint, a FIFO
         raise PreshuffledLoadError(f"unreadable qconvert manifest: {e}") from None
 

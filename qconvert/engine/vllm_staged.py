@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 
 from qconvert.errors import QConvertError
+from qconvert.formats.manifest import MANIFEST_NAME
 
 
 class StagedLoadError(QConvertError):
@@ -107,9 +108,9 @@ def file_digest(kind: str, buf) -> str:
     from qconvert.formats import staging as fmt
 
     if kind == fmt.DIGEST_XXH3:
-        import xxhash
+        from qconvert.convert.safetensors_io import xxh3_128_hex
 
-        return xxhash.xxh3_128(buf).hexdigest()
+        return xxh3_128_hex(buf)
     if kind == fmt.DIGEST_SHA256:
         import hashlib
 
@@ -177,7 +178,7 @@ def _layout_of(view) -> dict | None:
     """The ``layout`` of a pre-shuffled area (``qconvert.json`` beside its files), or None."""
     from qconvert.engine.vllm_layout_loader import read_layout
 
-    if "qconvert.json" not in view.extra_files:
+    if MANIFEST_NAME not in view.extra_files:
         return None
     return read_layout(view.root)
 
@@ -257,31 +258,35 @@ def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights,
 def copy_floor(model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3,
                ranks: tuple[int, int, int, int] | None = None) -> dict:
     """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
-    process, one plain copy of every tensor this rank would load, from the same mappings into
-    tensors of the same shapes and dtypes allocated (and touched) beforehand. Returns the bytes
-    and the best of ``repeat`` timings."""
+    process, the files this rank would load mapped afresh (as a load maps them) and one plain copy
+    of every tensor into tensors of the same shapes and dtypes allocated (and touched) beforehand.
+    Returns the bytes and the best of ``repeat`` timings."""
     from qconvert.formats import staging as fmt
 
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
-    maps: list[MappedFile] = []
-    try:
-        with fmt.committed(Path(area)) as view:
-            for f in select_files(view, tp_size, tp_rank, ep_size, ep_rank):
-                maps.append(map_file(view.directory, f))
-            pairs = [(t, torch.zeros_like(t)) for _, t in iter_tensors(maps)]
-            best = float("inf")
-            for _ in range(max(1, repeat)):
+    best, nbytes, n = float("inf"), 0, 0
+    with fmt.committed(Path(area)) as view:
+        files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
+        dst: list[torch.Tensor] | None = None
+        for _ in range(max(1, repeat) + 1):  # the first round allocates and touches the destinations
+            maps: list[MappedFile] = []
+            try:
                 t0 = time.perf_counter()
-                for src, dst in pairs:
-                    dst.copy_(src)
-                best = min(best, time.perf_counter() - t0)
-            nbytes = sum(src.nbytes for src, _ in pairs)
-            del pairs
-    finally:
-        for m in maps:
-            m.close()
-    return {"bytes": nbytes, "tensors": sum(len(m.spec.tensors) for m in maps), "seconds": best,
-            "threads": torch.get_num_threads()}
+                for f in files:
+                    maps.append(map_file(view.directory, f))
+                src = [t for _, t in iter_tensors(maps)]
+                if dst is None:
+                    dst = [torch.zeros_like(t) for t in src]
+                else:
+                    for s, d in zip(src, dst):
+                        d.copy_(s)
+                    best = min(best, time.perf_counter() - t0)
+                nbytes, n = sum(s.nbytes for s in src), len(src)
+                del src
+            finally:
+                for m in maps:
+                    m.close()
+    return {"bytes": nbytes, "tensors": n, "seconds": best, "threads": torch.get_num_threads()}
 
 
 def load_staged_into_worker(worker, area: str, verify: bool = False, profile: int = 0) -> dict:

@@ -30,7 +30,9 @@ def repack_cpu_moe_after_reload(model) -> int:
             continue
         for name in ("w13_weight", "w2_weight"):
             p = getattr(m, name)
-            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), fe.isa))
+            # the op writes a new tensor and only reads its input (vLLM passes the parameter itself):
+            # no clone of the input, one copy back into the parameter's storage
+            p.data.copy_(ops.cpu_prepack_moe_weight(p.data, fe.isa))
         n += 1
     return n
 

@@ -169,7 +169,8 @@ class Refitter:
                  engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
                  lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
                  pause: str | None = None, verify: bool = False, hash_threads: int | None = None):
-        from qconvert.convert import dialects
+        from qconvert.formats import dialects
+        from qconvert.formats.manifest import LAYOUT_KEY, MANIFEST_NAME, VERSION_KEY
         from qconvert.convert import jobs as jobs_mod
         from qconvert.convert.jobs import build_jobs
         from qconvert.convert.metadata import module_formats, output_config, scheme_keys
@@ -205,7 +206,11 @@ class Refitter:
         config, inv = reference_inventory(self.reference)
         inv, self._views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
         self._config, self._inv = config, inv
-        plan = build_plan(inv, config, opts.plan)
+        popts = opts.plan
+        if self._views and popts.keep_bf16:  # as the converter: a fused name keeps its layer's experts
+            import dataclasses
+            popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, self._views))
+        plan = build_plan(inv, config, popts)
         scheme = opts.scheme
         dialect = dialects.resolve_dialect(scheme, opts.dialect)
         # On CUDA the jobs' own NaN/Inf checks cost a host sync per tensor (hundreds per MoE layer):
@@ -259,15 +264,15 @@ class Refitter:
         layout = None
         extra_files = {fname: (json.dumps(obj, indent=2) + "\n").encode() for fname, obj in extra.items()}
         extra_files["config.json"] = (json.dumps(out_config, indent=2) + "\n").encode()
-        manifest = {"qconvert_version": __version__, "scheme": scheme, "dialect": dialect,
+        manifest = {VERSION_KEY: __version__, "scheme": scheme, "dialect": dialect,
                     "engines": dialects.engines_for(scheme, dialect),
                     "source": {"id": str(self.reference.resolve()), "architecture": plan.arch_name, "refit": True},
                     "exclusions": plan.exclusions, **scheme_keys(scheme, dialect, opts)}
         if opts.layout:
             from qconvert.convert.layout_jobs import layout_manifest
-            layout = manifest["layout"] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
+            layout = manifest[LAYOUT_KEY] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
         manifest["tensors"] = module_formats(plan, scheme)
-        extra_files["qconvert.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
+        extra_files[MANIFEST_NAME] = (json.dumps(manifest, indent=2) + "\n").encode()
         for fname, data in _reference_files(self.reference, set(extra_files) | {staging.INDEX}).items():
             extra_files.setdefault(fname, data)
         contract = staging.layout_contract(out_config, outputs, layout)

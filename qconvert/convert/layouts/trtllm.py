@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from qconvert.errors import QConvertError
+from qconvert.formats.dialects import ENGINE_VERSIONS, INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, WEIGHT_SCALE_INV
+from qconvert.formats.schemes import BLOCK
 from qconvert.convert.layouts.trtllm_index import (
     BLOCK_K_BYTES,
     EPILOGUE_TILE_M,
@@ -59,10 +61,9 @@ ENGINES = ("vllm", "sglang")
 LAYOUT_NAME = "flashinfer-trtllm"
 LAYOUT_VERSION = 1
 FLASHINFER_VERSION = "0.7.4"
-ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
 
-#: elements per scale (block size along K) and K elements per stored byte-column unit
-_SF_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+#: elements per scale (block size along K: formats.schemes.BLOCK) and K elements per stored byte-column unit
+_SF_BLOCK = BLOCK
 _ELEMS_PER_ITEM = {"bf16": 1, "mxfp8": 1, "nvfp4": 2}  # NVFP4 packs two values per byte
 
 #: E8M0 scale byte of 2^0, what vLLM writes into padded MXFP8 scale rows/columns
@@ -114,7 +115,7 @@ def _check(scheme: str, engine: str) -> None:
 def default_scale_name(scheme: str, engine: str) -> str:
     """Suffix of the block-scale parameter: vLLM ModelOpt MXFP8/NVFP4 and SGLang NVFP4 use
     ``weight_scale``; SGLang's MXFP8 (``Fp8MoEMethod``) uses ``weight_scale_inv``."""
-    return "weight_scale_inv" if (engine == "sglang" and scheme == "mxfp8") else "weight_scale"
+    return WEIGHT_SCALE_INV if (engine == "sglang" and scheme == "mxfp8") else WEIGHT_SCALE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -681,10 +682,10 @@ _HF_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 
 #: HF tensor suffix -> plain suffix; scale suffixes of the dialects (docs/formats.md#tensor-names)
 _HF_SUFFIX = {
     "weight": "weight",
-    "weight_scale": "weight_scale",
-    "weight_scale_inv": "weight_scale",  # MXFP8 dialect A (SGLang/miles): E8M0 bytes
-    "weight_scale_2": "weight_scale_2",
-    "input_scale": "input_scale",
+    WEIGHT_SCALE: WEIGHT_SCALE,
+    WEIGHT_SCALE_INV: WEIGHT_SCALE,  # MXFP8 dialect A (SGLang/miles): E8M0 bytes
+    WEIGHT_SCALE_2: WEIGHT_SCALE_2,
+    INPUT_SCALE: INPUT_SCALE,
 }
 
 
@@ -721,7 +722,7 @@ def stack_hf_experts(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str,
                 raise LayoutError(f"{prefix}.{e}: {fused} {suffix} is missing a projection")
             if fused == "w2":
                 rows.append(slot[0])
-            elif suffix in ("weight", "weight_scale"):
+            elif suffix in ("weight", WEIGHT_SCALE):
                 rows.append(torch.cat([slot[0], slot[1]], dim=0))
             else:  # per-tensor scalars of gate and up: [2]
                 rows.append(torch.stack([slot[0].reshape(()), slot[1].reshape(())]))
@@ -734,17 +735,17 @@ def stack_hf_experts(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str,
 
 
 def unstack_hf_experts(
-    plain: dict[str, torch.Tensor], prefix: str, scale_suffix: str = "weight_scale"
+    plain: dict[str, torch.Tensor], prefix: str, scale_suffix: str = WEIGHT_SCALE
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`stack_hf_experts` (block scales written as ``scale_suffix``)."""
     out: dict[str, torch.Tensor] = {}
     for key, t in plain.items():
         fused, suffix = key.split("_", 1)
-        hf_suffix = scale_suffix if suffix == "weight_scale" else suffix
+        hf_suffix = scale_suffix if suffix == WEIGHT_SCALE else suffix
         for e in range(t.shape[0]):
             if fused == "w2":
                 out[f"{prefix}.{e}.down_proj.{hf_suffix}"] = t[e].clone()
-            elif suffix in ("weight", "weight_scale"):
+            elif suffix in ("weight", WEIGHT_SCALE):
                 half = t.shape[1] // 2
                 out[f"{prefix}.{e}.gate_proj.{hf_suffix}"] = t[e, :half].clone()
                 out[f"{prefix}.{e}.up_proj.{hf_suffix}"] = t[e, half:].clone()

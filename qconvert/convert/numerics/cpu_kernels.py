@@ -190,7 +190,7 @@ def _self_check(lib: ctypes.CDLL) -> str:
 
     for name, x in _self_check_inputs():
         kind = _KIND[x.dtype]
-        xb = x.view(-1, 32)
+        xb = x.view(-1, mxfp8.MXFP8_BLOCK)
         q_ref = torch.empty(xb.shape, dtype=torch.float8_e4m3fn)
         s_ref = torch.empty(xb.shape[0], dtype=torch.uint8)
         mxfp8.quantize_cpu_chain(xb, q_ref, s_ref, 1)
@@ -199,7 +199,7 @@ def _self_check(lib: ctypes.CDLL) -> str:
             lib.qc_mxfp8(xb.data_ptr(), kind, 0, xb.shape[0], q.data_ptr(), s.data_ptr())
             if not (torch.equal(q, q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
                 return f"MXFP8, {name}, {path} loops"
-        xb = x.view(-1, 16)
+        xb = x.view(-1, nvfp4.NVFP4_BLOCK)
         amax = float(x.float().abs().max())
         pk, sc = torch.empty(xb.shape[0], 8, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
         for recipe in ("te", "modelopt"):

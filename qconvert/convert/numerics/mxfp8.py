@@ -17,10 +17,10 @@ import threading
 
 import torch
 
+from ...formats.schemes import MXFP8_BLOCK  # noqa: F401 (re-exported: numerics.MXFP8_BLOCK)
 from . import cpu_kernels
 from .pool import run_all
 
-MXFP8_BLOCK = 32
 E4M3_MAX = 448.0
 #: Smallest scale byte qconvert writes (2^-126). See the module docstring.
 MIN_SCALE_BYTE = 1

@@ -69,15 +69,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...formats.schemes import NVFP4_BLOCK, NVFP4_RECIPES  # noqa: F401 (re-exported by numerics)
 from . import cpu_kernels
 from .pool import run_all
 
-NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: 6 * 448: global amax that maps to the largest block scale times the largest element.
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX
-NVFP4_RECIPES = ("te", "modelopt", "4over6")
 #: 4over6: the E4M3 value the global scale maps the largest block to (TE ``nvfp4_e4m3_max``), so
 #: that the map-to-4 scale (1.5x) of the largest block still fits E4M3.
 FOUR_OVER_SIX_E4M3_MAX = 256.0
@@ -170,6 +169,12 @@ def _e2m1_code_i32(v: torch.Tensor, te_sign: bool, bufs=None) -> torch.Tensor:
     torch.bitwise_right_shift(a, c(22), out=odd).bitwise_and_(c(1))
     a.add_(odd).add_(_HI_BIAS).bitwise_right_shift_(c(22))
     return a.add_(lo).add_(_LO_BIAS).bitwise_or_(sign)
+
+
+def e2m1_signed_code(v: torch.Tensor, te_sign: bool) -> torch.Tensor:
+    """Signed E2M1 codes (uint8, 0..15) of fp32 ``v`` (not modified): RNE, saturating at 6; the
+    sign as ``_e2m1_code_i32`` takes it (``te_sign``: the sign bit; else ``v < 0``)."""
+    return _e2m1_code_i32(v.float().contiguous().clone(), te_sign).to(torch.uint8)
 
 
 def e2m1_magnitude_code(a: torch.Tensor) -> torch.Tensor:
