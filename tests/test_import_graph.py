@@ -33,14 +33,6 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
 #: that closes a cycle) or ``module.name`` (a private name used across modules). Remove an entry
 #: when it is mended: the test fails on entries that no longer match anything.
 PENDING: dict[tuple[str, str], str] = {
-    # checkpoint -> fp8_source (declared_block, lazy) -> jobs (Job, lazy in _wrap) -> checkpoint:
-    # fp8_source.py is h-quant's, in progress; _wrap can build its job with dataclasses.replace
-    # (keeping Job.parts) instead of importing Job, or declared_block move below checkpoint.
-    ("qconvert.convert.fp8_source", "qconvert.convert.jobs"): "h-quant: fp8_source._wrap imports jobs.Job",
-    # landed by the refit work while this test was written (trainer/refit.py reads staging's
-    # helpers); client/staging.py and formats/staging.py are being edited by h-refit and h-serve
-    ("qconvert.trainer.refit", "qconvert.client.staging._TORCH_TO_TAG"): "h-refit: make public in staging",
-    ("qconvert.trainer.refit", "qconvert.formats.staging._EXTRA_RE"): "h-refit: make public in formats.staging",
 }
 
 

@@ -43,7 +43,7 @@ from typing import Iterable
 import torch
 
 from qconvert.convert.checkpoint import INDEX_NAME as INDEX
-from qconvert.convert.safetensors_io import sha256_file
+from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, sha256_file
 from qconvert.errors import QConvertError
 
 from qconvert.formats import staging as fs
@@ -60,20 +60,12 @@ _SKIP_FILES = {INDEX, MANIFEST}
 
 # ----------------------------------------------------------------------------- dtypes, contract
 
-_TAG_TO_TORCH: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8,
-    "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "BOOL": torch.bool,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _TAG_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
-_TORCH_TO_TAG = {v: k for k, v in _TAG_TO_TORCH.items()}
+# the dtype tags are safetensors_io's (one table): TORCH_TO_TAG re-exported for the trainer side
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
     try:
-        return _TORCH_TO_TAG[dtype]
+        return TORCH_TO_TAG[dtype]
     except KeyError:
         raise StagingError(f"dtype {dtype} cannot be staged as safetensors") from None
 
@@ -264,7 +256,7 @@ class StagingWriter:
             if name in self.tensors or name in by_name:
                 raise StagingError(f"tensor {name!r} staged twice")
             buf = _tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
-            want = math.prod(shape) * torch.empty((), dtype=_TAG_TO_TORCH[tag]).element_size()
+            want = math.prod(shape) * DTYPES[tag][1]
             if buf.nbytes != want:
                 raise StagingError(f"tensor {name!r}: {buf.nbytes} bytes do not match {tag} {list(shape)}")
             by_name[name] = (tag, tuple(int(s) for s in shape), buf)

@@ -17,6 +17,8 @@ as ``X.weight`` F8_E4M3 [N, K] plus ``X.weight_scale_inv`` [ceil(N/bn), ceil(K/b
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +71,6 @@ class Fp8BlockSource:
         return [self._wrap(j) for j in jobs]
 
     def _wrap(self, job):
-        from .jobs import Job
-
         fp8 = [n for n in job.sources if n in self.scales]
         if not fp8:
             return job
@@ -98,7 +98,8 @@ class Fp8BlockSource:
                 fp8_block.mxfp8_patch_lossless(q, sc, src[n], src[scales[n]], block)
             return out
 
-        return Job(list(job.sources) + [scales[n] for n in fp8], job.outputs, fn, job.fmt, job.device_input)
+        # the same job (outputs, format, device, fused parts) reading the scales too
+        return dataclasses.replace(job, sources=list(job.sources) + [scales[n] for n in fp8], fn=fn)
 
     def describe(self, plan, scheme: str, read_scale) -> list[str]:
         """Per-module path (``self.paths``) and the notes the summary and dry-run print.

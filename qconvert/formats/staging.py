@@ -52,7 +52,7 @@ DIGEST_HEX_LEN = {DIGEST_XXH3: 32, DIGEST_SHA256: 64}
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_RE = re.compile(r"^g(?P<group>\d{5})(?:-tp(?P<tp>\d+)-ep(?P<ep>\d+))?-(?P<part>\d{2})\.safetensors$")
-_EXTRA_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+EXTRA_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
 
 #: bytes per element of each safetensors dtype tag that may be staged
@@ -252,7 +252,7 @@ def _parse_files(raw, tp: int, ep: int, where: str, v2: bool) -> tuple[FileSpec,
             raise _bad(where, "a 'files' entry is not an object")
         name = f.get("name")
         m = FILE_RE.match(name) if isinstance(name, str) else None
-        if m is None and (v2 or not (isinstance(name, str) and _EXTRA_RE.match(name)
+        if m is None and (v2 or not (isinstance(name, str) and EXTRA_FILE_RE.match(name)
                                      and name.endswith(".safetensors"))):
             raise _bad(where, f"file name {name!r} is not a staging file name")
         if name in names:
@@ -294,7 +294,7 @@ def _parse_files(raw, tp: int, ep: int, where: str, v2: bool) -> tuple[FileSpec,
 
 
 def _parse_extra(raw, where: str) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not all(isinstance(n, str) and _EXTRA_RE.match(n) for n in raw):
+    if not isinstance(raw, list) or not all(isinstance(n, str) and EXTRA_FILE_RE.match(n) for n in raw):
         raise _bad(where, f"'extra_files' {raw!r} is not a list of plain file names")
     if len(set(raw)) != len(raw) or {AREA_JSON, COMMIT_JSON} & set(raw):
         raise _bad(where, "'extra_files' repeats a name or names a staging file")

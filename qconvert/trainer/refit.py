@@ -95,7 +95,7 @@ def _reference_files(reference: Path, skip: set[str]) -> dict[str, bytes]:
     out = {}
     for p in sorted(reference.iterdir()):
         if (p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and not p.name.startswith(".")
-                and p.name not in skip and fs._EXTRA_RE.match(p.name)):
+                and p.name not in skip and fs.EXTRA_FILE_RE.match(p.name)):
             out[p.name] = read_member(reference, p)  # guarded, as every checkpoint read
     return out
 
@@ -379,7 +379,7 @@ class Refitter:
         if not isinstance(t, torch.Tensor):
             raise RefitError(f"refit: {name} is a {type(t).__name__}, not a torch.Tensor")
         want_dtype, want_shape = self._inv[name]
-        if tuple(t.shape) != want_shape or staging._TORCH_TO_TAG.get(t.dtype) != want_dtype:
+        if tuple(t.shape) != want_shape or staging.TORCH_TO_TAG.get(t.dtype) != want_dtype:
             raise RefitError(f"refit: {name} is {t.dtype} {list(t.shape)}, the reference has "
                              f"{want_dtype} {list(want_shape)}")
         buf = self._buffers.setdefault(key, {})
