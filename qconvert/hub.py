@@ -24,16 +24,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import __version__
 from .convert.plan import index_ranges
 from .errors import QConvertError
-from .hub_errors import hub_error_line
 from .formats.dialects import DIALECT_TEXT, ENGINE_VERSIONS, engine_support
-from .formats.manifest import MANIFEST_NAME
 from .formats.schemes import SCHEME_TEXT
+from .hub_errors import hub_error_line
 from .inspect import InspectReport, fmt_bytes, inspect_checkpoint
 
 CARD_MARKER = "<!-- qconvert-card v2 -->"

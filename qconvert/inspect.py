@@ -20,8 +20,19 @@ from pathlib import Path
 from .convert.checkpoint import CheckpointDir, open_checkpoint
 from .convert.safetensors_io import DTYPES
 from .formats import manifest as _manifest
-from .formats.detect import (QUANTIZED_FORMATS, Code, Detection, Module, detect, finding, module_format,  # noqa: F401
-                             modules_of, nvfp4_activations, role_tag, split_name)
+from .formats.detect import (  # noqa: F401
+    QUANTIZED_FORMATS,
+    Code,
+    Detection,
+    Module,
+    detect,
+    finding,
+    module_format,
+    modules_of,
+    nvfp4_activations,
+    role_tag,
+    split_name,
+)
 from .formats.dialects import KEPT_SUFFIXES, EngineSupport, engine_support
 from .formats.manifest import find_layouts
 from .formats.schemes import BLOCK
@@ -170,7 +181,7 @@ def fused_note(ck) -> list[str]:
         _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
     except QConvertError as e:
         code = getattr(e, "code", None)
-        return [f"fused expert tensors: qconvert refuses them" + (f" ({code.value})" if code else "") + f": {e}"]
+        return ["fused expert tensors: qconvert refuses them" + (f" ({code.value})" if code else "") + f": {e}"]
     if not views:
         return []
     n = len({v.source for v in views.values()})

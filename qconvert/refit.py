@@ -4,6 +4,6 @@ and the one-call ``refit(...)`` / ``stage_refit(...)``.
 The implementation lives in :mod:`qconvert.trainer.refit`; this module is the public name.
 """
 
-from .trainer.refit import RefitError, Refitter, RefitResult, Staged, refit, stage_refit
+from .trainer.refit import RefitError, RefitResult, Refitter, Staged, refit, stage_refit
 
 __all__ = ["Refitter", "refit", "stage_refit", "RefitResult", "RefitError", "Staged"]

@@ -28,26 +28,42 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from .errors import QConvertError
-from .formats.detect import Module, detect, modules_of, split_name
-from .formats.dialects import (KEPT_SUFFIXES, NVFP4_WEIGHT_SUFFIXES, REQUIRED_SUFFIXES, WEIGHT,
-                               WEIGHT_GLOBAL_SCALE, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_2, accepted_tensors)
-from .formats.exclusions import EXCLUSION_KEYS, SGLANG, SGLANG_MODELOPT, config_where, matchers
-from .formats.manifest import MANIFEST_NAME, find_layouts, layout_section
-from .formats.schemes import (ALL_RECIPES, BLOCK, BLOCK_BOUND, DEFAULT_MAX_REL_ERR, DEFAULT_NVFP4_RECIPE, MXFP8_RECIPE,
-                               NVFP4_RECIPES)
-from .inspect import read_checkpoint
 from .convert import fused
 from .convert.pipeline import CPU_WORKERS, HASH_STREAMS
 from .convert.safetensors_io import ShardReader, sha256_file
+from .errors import QConvertError
+from .formats.detect import Module, detect, modules_of, split_name
+from .formats.dialects import (
+    KEPT_SUFFIXES,
+    NVFP4_WEIGHT_SUFFIXES,
+    REQUIRED_SUFFIXES,
+    WEIGHT,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+    accepted_tensors,
+)
+from .formats.exclusions import EXCLUSION_KEYS, SGLANG, SGLANG_MODELOPT, config_where, matchers
+from .formats.manifest import MANIFEST_NAME, find_layouts, layout_section
+from .formats.schemes import (
+    ALL_RECIPES,
+    BLOCK,
+    BLOCK_BOUND,
+    DEFAULT_MAX_REL_ERR,
+    DEFAULT_NVFP4_RECIPE,
+    MXFP8_RECIPE,
+    NVFP4_RECIPES,
+)
+from .inspect import read_checkpoint
 
 VERIFY_PROMPTS = [
     "The capital of France is",
@@ -1022,7 +1038,7 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
         plain = Path(td) / "plain"
         try:
             unshuffle_checkpoint(dst, plain)
-        except _QE as e:
+        except _QE:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
             (log or (lambda s: None))(f"layout {layout.get('name')} for {layout.get('engine')} is not "
                                       "invertible bit-exactly here: comparing DST with SRC's experts laid out again")

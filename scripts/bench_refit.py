@@ -134,6 +134,7 @@ def stage_bench(a) -> dict:
     import statistics
 
     import torch
+
     from qconvert.convert.pipeline import ConvertOptions
     from qconvert.refit import Refitter
 

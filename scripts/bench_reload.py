@@ -130,7 +130,7 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
 
         c.collective_rpc(STAGED_RPC, area=str(areas[1]))  # warm-up: first touch of the area's pages
         repack()
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for area in (areas[0], areas[1]):
                 (fl,) = c.collective_rpc("qconvert_copy_floor", area=str(area), repeat=3)
                 rec["floor"].append(fl["seconds"])

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             print(f"round {rnd} {name}: wall {m['wall']:.2f} s, CPU {m['cpu']:.1f} s, peak RSS "
                   f"{m['rss'] / 2**30:.2f} GiB, rc {m['rc']}", flush=True)
     floor = statistics.median(m["wall"] for m in rows["floor"])
-    print(f"\n| run | wall (median) | / floor | CPU s | peak RSS | rc |\n|---|---|---|---|---|---|")
+    print("\n| run | wall (median) | / floor | CPU s | peak RSS | rc |\n|---|---|---|---|---|---|")
     for name, ms in rows.items():
         wall = statistics.median(m["wall"] for m in ms)
         print(f"| {name} | {wall:.2f} s | {wall / floor:.2f} | {statistics.median(m['cpu'] for m in ms):.1f} | "

@@ -31,7 +31,11 @@ import triton.language as tl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from qconvert.convert.numerics.cuda_kernels import (  # noqa: E402
-    _e2m1_magnitude, _launch_options, _markstein_quotient, _recip)
+    _e2m1_magnitude,
+    _launch_options,
+    _markstein_quotient,
+    _recip,
+)
 
 
 @triton.jit

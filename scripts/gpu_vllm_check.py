@@ -88,7 +88,8 @@ def stage(name):
 
 
 def convert(src: Path, dst: Path, fmt: str, device: str = "cpu") -> Path:
-    from qconvert.convert.pipeline import ConvertOptions, convert as run
+    from qconvert.convert.pipeline import ConvertOptions
+    from qconvert.convert.pipeline import convert as run
     from qconvert.convert.plan import PlanOptions
 
     scheme = fmt.split("-")[0]
@@ -395,7 +396,7 @@ def st_refit(rec, root: Path):
         srv.stop()
 
 
-def refit_on(rec, srv: "Server", a: Path, b: Path, b_src: Path, orig: list[str]):
+def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
     """qconvert.refit of B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1 BF16)."""
     import torch
     from safetensors.torch import load_file

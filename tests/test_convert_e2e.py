@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import have
 from safetensors import safe_open
 
-from conftest import have
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 

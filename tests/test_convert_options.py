@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from qconvert.formats import dialects
 from qconvert.convert.checkpoint import load_checkpoint
 from qconvert.convert.demo import demo_config, demo_tensors, write_sharded
 from qconvert.convert.jobs import BuiltJobs, build_jobs
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions, build_plan
 from qconvert.errors import CheckpointError, QConvertError
+from qconvert.formats import dialects
 
 EXPERT = "model.layers.1.mlp.experts.5.up_proj.weight"
 

@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 
+import kernel_cases as kc
 import numpy as np
 import pytest
 import torch
 
-import kernel_cases as kc
 from qconvert.convert.numerics import cpu_kernels, mxfp8, nvfp4
 
 HAVE_CC = cpu_kernels._compiler() is not None
@@ -164,8 +164,8 @@ def test_disabled_or_no_compiler_falls_back_to_the_chain(tmp_path):
 def test_cuda_quantizer_choice(monkeypatch):
     """QCONVERT_CUDA_QUANTIZER picks the CUDA core; Triton falls back to eager where it cannot run,
     and a misspelt value is a one-line error, not a traceback."""
-    from qconvert.convert.pipeline import cuda_quantizer
     from qconvert.convert.numerics import cuda_kernels
+    from qconvert.convert.pipeline import cuda_quantizer
     from qconvert.errors import QConvertError
 
     monkeypatch.delenv("QCONVERT_COMPILE", raising=False)

@@ -10,13 +10,12 @@ fill a Triton program. Expected values are the torch chains run on the CPU.
 
 from __future__ import annotations
 
+import kernel_cases as kc
 import pytest
 import torch
 
 from qconvert.convert.numerics import cuda_kernels, mxfp8_quantize, nvfp4_quantize
 from qconvert.convert.numerics.nvfp4 import _global_amax
-
-import kernel_cases as kc
 
 pytestmark = pytest.mark.skipif(not cuda_kernels.available("cuda"), reason="needs a CUDA GPU and Triton")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import time
 
 import pytest
 

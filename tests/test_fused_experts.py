@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from qconvert.convert.demo import write_sharded
+from qconvert.convert.fused import Refusal
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
-from qconvert.convert.fused import Refusal
 from qconvert.errors import PlanError, QConvertError
 
 
@@ -311,8 +311,16 @@ def test_vllm_loads_fused_source_conversion(fused_dirs, demo_moe, tmp_path):
     source itself also loads in vLLM 0.32 (its Qwen3-MoE loader reads fused names) with the split
     source's logprobs, which ``verify --check-in-engine vllm`` relies on for a fused SRC."""
     pytest.importorskip("vllm")
-    from test_vllm_cpu_plugin import (MAX_TOKENS, MOE_METHOD, MOE_VS_DEQUANT_MEAN_KL, PROMPTS, _all_finite,
-                                      convert_with_qconvert, make_dequantized)
+    from test_vllm_cpu_plugin import (
+        MAX_TOKENS,
+        MOE_METHOD,
+        MOE_VS_DEQUANT_MEAN_KL,
+        PROMPTS,
+        _all_finite,
+        convert_with_qconvert,
+        make_dequantized,
+    )
+
     from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
 
     keys = ["auto", "nv_a16"]
@@ -353,6 +361,7 @@ def test_verify_against_fused_source(case, fused_dirs, tmp_path):
 def test_verify_catches_wrong_expert_against_fused_source(fused_dirs, tmp_path):
     """Swapping two experts' quantized gate weights in DST fails verify against the fused SRC."""
     from safetensors.torch import save_file
+
     from qconvert.verify import verify
     src = fused_dirs["out_in"]
     q = tmp_path / "q"
@@ -389,6 +398,7 @@ def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_pat
     """The silent pass-through of issue 21 (fused experts kept BF16 but declared quantized) is now
     a one-line refusal at the command line, with nothing written."""
     from click.testing import CliRunner
+
     from qconvert.cli import main
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     d = write_like(demo_moe, tmp_path / "src", t, dict(config, architectures=["GptOssForCausalLM"]))

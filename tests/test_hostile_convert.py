@@ -185,8 +185,8 @@ def test_bad_or_ignored_options_are_refused(src, tmp_path, args, needles):
 
 def test_negative_tp_never_drops_experts(src, tmp_path):
     """--tp -1 once exited 0 having written no expert tensor; the layout code itself refuses."""
-    from qconvert.errors import QConvertError
     from qconvert.convert.plan import PlanOptions
+    from qconvert.errors import QConvertError
 
     for tp, ep in [(0, 1), (-1, 1), (1, 0), (1, -1), (3, 1)]:
         with pytest.raises(QConvertError, match="--tp|--ep|tensor-parallel|expert-parallel"):

@@ -28,12 +28,11 @@ import yaml
 from click.testing import CliRunner
 from huggingface_hub import ModelCard
 from markdown_it import MarkdownIt
+from test_hub import LocalHub, hub  # noqa: F401  (the fixture)
 
 from qconvert.cli import main
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
-
-from test_hub import LocalHub, hub  # noqa: F401  (the fixture)
 
 #: the metadata keys a qconvert card may carry (README: "Inspect, verify, publish")
 ALLOWED = {"base_model", "base_model_relation", "library_name", "license", "license_name", "license_link",

@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_verify import patch_bytes, tensor_location
 
 from qconvert.convert.demo import build_demo_model
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
-
-from test_verify import patch_bytes, tensor_location
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = "model.layers.0.self_attn.q_proj"

@@ -18,17 +18,15 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import yaml
 from huggingface_hub import ModelCard
+from test_inspect import demo_conversions, nvfp4_checkpoint, tiny_source
+from test_verify import patch_bytes, tensor_location
 
 from qconvert.errors import QConvertError
 from qconvert.hub import CARD_MARKER, push, render_card, source_card
-
-from test_inspect import demo_conversions, nvfp4_checkpoint, tiny_source
-from test_verify import patch_bytes, tensor_location
 
 SOURCE_CARD = """---
 license: other

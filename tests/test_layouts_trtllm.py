@@ -199,7 +199,7 @@ def test_bf16_vllm_equals_vllm_preparation(vllm_prep, e, i, h, tp):
 def _sglang_bf16_reference(a, b):
     """SGLang 0.5.23 ``_maybe_apply_flashinfer_trtllm_bf16_block_layout`` built from FlashInfer's
     helpers: W13 is [up; gate] at load, per expert P13 on the uint8 view, convert_to_block_layout."""
-    m, i = a.shape[1], a.shape[1] // 2
+    i = a.shape[1] // 2
     a = torch.cat([a[:, i:], a[:, :i]], 1)
     o13, o2 = [], []
     for x, y in zip(a, b):

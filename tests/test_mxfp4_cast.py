@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import have
+
 from qconvert.convert.numerics.mxfp4 import k_max_of, mxfp4_decode, mxfp4_to_nvfp4
 
 

@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import have
+from test_convert_e2e import load_dir
+
 from qconvert.cli import main
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
-from test_convert_e2e import load_dir
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 

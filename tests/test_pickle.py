@@ -10,10 +10,10 @@ import shutil
 
 import torch
 from click.testing import CliRunner
+from test_convert_e2e import load_dir
 
 from qconvert.cli import main
 from qconvert.convert.demo import build_demo_model
-from test_convert_e2e import load_dir
 
 
 def test_allow_pickle_equals_safetensors_conversion(tmp_path):

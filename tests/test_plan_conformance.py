@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import have
+
 from qconvert.convert.plan import PlanOptions, build_plan, exclusion_list
+from qconvert.convert.safetensors_io import read_header
 from qconvert.formats.dialects import mxfp8_quant_config
 from qconvert.formats.exclusions import sglang_dotted_excluded, vllm_substring_excluded
-from qconvert.convert.safetensors_io import read_header
 
 QKV = {"q_proj", "k_proj", "v_proj"}
 GATE_UP = {"gate_proj", "up_proj"}

@@ -15,13 +15,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import have
+
 from qconvert.convert.demo import build_demo_model, demo_config, demo_tensors, write_sharded
 from qconvert.convert.plan import PlanOptions, build_plan
+from qconvert.errors import PlanError
 from qconvert.formats.dialects import mxfp8_quant_config, nvfp4_quant_config
 from qconvert.formats.exclusions import sglang_dotted_excluded, vllm_substring_excluded
-from qconvert.errors import PlanError
 
 
 def inventory(config, drop=()):
@@ -134,7 +134,7 @@ def test_layer_count_disagreeing_with_weights_is_refused(n, opts):
     with pytest.raises(PlanError) as e:
         build_plan(inv, cfg, opts, config_path="/m/config.json")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("/m/config.json: num_hidden_layers is %d" % n), msg
+    assert "\n" not in msg and msg.startswith(f"/m/config.json: num_hidden_layers is {n}"), msg
     assert "4 decoder layers" in msg, msg
 
 

@@ -14,15 +14,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import have
+from test_convert_e2e import load_dir
+
 from qconvert.convert.numerics import fp8_block
 from qconvert.convert.numerics.mxfp8 import mxfp8_quantize
 from qconvert.convert.numerics.nvfp4 import nvfp4_quantize
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.errors import QConvertError
-from test_convert_e2e import load_dir
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,6 @@ commits nothing, sharded trainers commit once, readers and writers exclude each 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qconvert.errors import QConvertError
 from qconvert.client.http import HttpClient, ServerError, ServerUnreachable
 from qconvert.client.vllm_client import ReloadError, VllmClient, reload_vllm
+from qconvert.errors import QConvertError
 
 
 class FakeServer:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
 from qconvert.convert.demo import build_demo_model
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.errors import QConvertError
-from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
 
 
 def _mx(src, dst, dialect="auto", last_n_bf16=0):

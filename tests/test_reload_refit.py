@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qconvert.client import staging
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.errors import QConvertError
-from qconvert.client import staging
 from qconvert.formats import staging as fs
 from qconvert.trainer.refit import Refitter, stage_refit
 

@@ -10,7 +10,6 @@ shard fails with the server's message and the server is resumed and serves A cor
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -27,8 +26,8 @@ import requests
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+from qconvert.client.vllm_client import EXTENSION_FLAG, ReloadError, reload_vllm  # noqa: E402
 from qconvert.convert.demo import build_demo_model  # noqa: E402
-from qconvert.client.vllm_client import EXTENSION_FLAG, ReloadError, VllmClient, reload_vllm  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12

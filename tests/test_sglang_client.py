@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qconvert.errors import QConvertError
 from qconvert.client.sglang_client import SglangClient, reload_sglang
 from qconvert.client.vllm_client import ReloadError
+from qconvert.errors import QConvertError
 from tests.test_reload_clients import FakeServer
 
 STRUCTS = ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightFromDiskReqInput",

@@ -37,7 +37,6 @@ def test_no_source_checksums_skips_only_the_source(demo_dense, tmp_path):
     run("mxfp8", demo_dense, tmp_path / "a")
     run("mxfp8", demo_dense, tmp_path / "b", "--no-source-checksums")
     a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
-    shards = sorted(p.name for p in demo_dense.glob("*.safetensors"))
     assert a["source"]["sha256"] == {p.name: sha(p) for p in demo_dense.glob("*.safetensors")}
     assert "sha256_note" not in a["source"]
     assert b["source"]["sha256"] == {} and "no-source-checksums" in b["source"]["sha256_note"]

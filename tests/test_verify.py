@@ -15,11 +15,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
+from test_inspect import demo_conversions, nvfp4_checkpoint, tiny_source
 
 from qconvert.cli import main
 from qconvert.verify import verify
-
-from test_inspect import demo_conversions, nvfp4_checkpoint, tiny_source
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,13 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_verify import patch_bytes, tensor_location
 
 from qconvert.cli import main
 from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 from qconvert.inspect import inspect_checkpoint
 from qconvert.verify import format_report, verify
-
-from test_verify import patch_bytes, tensor_location
 
 H, INTER, VOCAB = 64, 128, 32
 DIALECTS = [("mxfp8", "auto"), ("mxfp8", "sglang"), ("mxfp8", "modelopt"), ("nvfp4", "modelopt"),

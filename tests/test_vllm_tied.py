@@ -12,9 +12,7 @@ weights (the same comparison as tests/test_vllm_cpu_plugin.py, on qconvert's ``l
 from __future__ import annotations
 
 import pytest
-
-from test_vllm_cpu_plugin import (MAX_TOKENS, PROMPTS, _all_finite, convert_with_qconvert,
-                                  make_dequantized)
+from test_vllm_cpu_plugin import MAX_TOKENS, PROMPTS, _all_finite, convert_with_qconvert, make_dequantized
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

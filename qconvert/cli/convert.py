@@ -50,7 +50,7 @@ def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
         g["n"] += len(ms)
         g["in"] += r.bytes_in
         g["out"] += r.bytes_out
-    for (pre, mid, fmt, shape, reason), g in groups.items():
+    for (pre, _mid, fmt, shape, reason), g in groups.items():
         what = (f"{pre.rstrip('.')} {index_ranges(g['layers'])} experts {index_ranges(g['experts'])} "
                 f"{'/'.join(g['projs'])} ({g['n']} tensors)")
         lines[g["at"]] = (what, fmt, str(list(shape)), g["in"], g["out"], reason)

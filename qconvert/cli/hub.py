@@ -37,7 +37,8 @@ def push_after_convert(src: str, dst, repo: str, private: bool = False, revision
                        progress: bool | None = None):
     """``--push-to-hub``: verify the fresh conversion, then push it (refused if verify fails)."""
     from ..hub import push as run_push
-    from ..verify import format_report, verify as run_verify
+    from ..verify import format_report
+    from ..verify import verify as run_verify
 
     click.echo("")
     r = run_verify(src, str(dst), progress=progress, log=lambda s: click.echo(s, err=True))

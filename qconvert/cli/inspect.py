@@ -41,7 +41,8 @@ def verify(src, dst, as_json, max_rel_err, check_in_engine, old_engine, max_kl, 
     """Dequantize DST, compare it with its BF16 source SRC, and check its metadata; exit 1 on failure."""
     if check_in_engine and old_engine and check_in_engine != old_engine:
         raise click.UsageError("pass --check-in-engine only (--engine is its old spelling)")
-    from ..verify import format_report, verify as run_verify
+    from ..verify import format_report
+    from ..verify import verify as run_verify
 
     r = run_verify(src, dst, max_rel_err=max_rel_err, progress=progress, log=lambda s: click.echo(s, err=True),
                    engine=check_in_engine or old_engine, max_kl=max_kl)

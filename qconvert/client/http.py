@@ -30,7 +30,8 @@ import threading
 import time
 import unicodedata
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
 from qconvert.errors import QConvertError
@@ -425,7 +426,7 @@ class HttpClient:
         return self.request("POST", path, json_body=json_body, **kw)[1]
 
 
-def reply_field(client: "HttpClient", route: str, body: Any, *keys: str | int, types: type | tuple = object) -> Any:
+def reply_field(client: HttpClient, route: str, body: Any, *keys: str | int, types: type | tuple = object) -> Any:
     """``body[k0][k1]...`` of a reply from ``route``, of type ``types``; a missing or mistyped field is
     a one-line :class:`BadReply` naming the server, the route and the field."""
     cur, trail = body, ""

@@ -36,10 +36,10 @@ import os
 import uuid
 from pathlib import Path
 
-from qconvert.errors import QConvertError
 from qconvert.client.http import ServerClient, ServerError, clean, reply_field
 from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, load_paused, resolve_source
 from qconvert.client.staging import read_layout
+from qconvert.errors import QConvertError
 
 log = logging.getLogger("qconvert.reload")
 

@@ -36,20 +36,33 @@ import stat
 import struct
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
 from qconvert.convert.checkpoint import INDEX_NAME as INDEX
 from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, sha256_file
 from qconvert.errors import QConvertError
-
 from qconvert.formats import staging as fs
 from qconvert.formats.staging import (  # noqa: F401  (the on-disk facts live there, once)
-    ALIGN, FORMAT_V1 as FORMAT, MANIFEST_V1 as MANIFEST, NAME_RE, StagingError, check_name as _check_name,
-    manifest_digest_v1 as _manifest_digest, staging_root,
+    ALIGN,
+    NAME_RE,
+    StagingError,
+    staging_root,
+)
+from qconvert.formats.staging import (
+    FORMAT_V1 as FORMAT,
+)
+from qconvert.formats.staging import (
+    MANIFEST_V1 as MANIFEST,
+)
+from qconvert.formats.staging import (
+    check_name as _check_name,
+)
+from qconvert.formats.staging import (
+    manifest_digest_v1 as _manifest_digest,
 )
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -210,7 +223,7 @@ class StagingWriter:
         self._committed = False
 
     # context manager: drop partial area on error
-    def __enter__(self) -> "StagingWriter":
+    def __enter__(self) -> StagingWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -280,7 +293,7 @@ class StagingWriter:
             self.files[fname] = {"size": size, "sha256": h.hexdigest(),
                                  "rank": None if rank is None else [int(rank[0]), int(rank[1])]}
 
-    def commit(self) -> "StagingArea":
+    def commit(self) -> StagingArea:
         if self.config is None:
             raise StagingError("staging needs the checkpoint's config.json")
         contract = layout_contract(self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()),
@@ -333,7 +346,7 @@ def rank_of(name: str, layout: dict | None) -> tuple[int, int] | None:
     return parse_rank_tag(m.group(1)) if m else None
 
 
-def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> "StagingArea":
+def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> StagingArea:
     """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
 
     src = Path(ckpt)

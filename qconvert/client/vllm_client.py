@@ -51,11 +51,18 @@ import re
 import uuid
 from pathlib import Path
 
-from qconvert.errors import QConvertError
 from qconvert.client.http import ServerClient, ServerError, clean, reply_field
-from qconvert.client.reload import (ReloadError, ReloadInterrupted, ReloadResult, drop_staged, fan_out,
-                                     load_paused, resolve_source)
+from qconvert.client.reload import (
+    ReloadError,
+    ReloadInterrupted,
+    ReloadResult,
+    drop_staged,
+    fan_out,
+    load_paused,
+    resolve_source,
+)
 from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC, STAGED_RPC
+from qconvert.errors import QConvertError
 
 __all__ = ["VllmClient", "reload_vllm", "verify_servers", "ReloadError", "ReloadInterrupted", "ReloadResult",
            "EXTENSION_FLAG"]

@@ -9,8 +9,8 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

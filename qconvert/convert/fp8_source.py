@@ -18,7 +18,6 @@ as ``X.weight`` F8_E4M3 [N, K] plus ``X.weight_scale_inv`` [ceil(N/bn), ceil(K/b
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 
 import torch

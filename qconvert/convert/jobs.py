@@ -8,10 +8,10 @@ tensors whose names, dtypes and shapes are known before any byte is read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,7 +29,6 @@ from .numerics.nvfp4 import encode_global_scale, encode_global_scale_tensor
 from .options import ConvertOptions, PlanRow
 from .plan import KEEP, QUANTIZE, Plan
 from .safetensors_io import ShardReader
-
 
 
 @dataclass
@@ -113,7 +112,7 @@ def quantize_mxfp8_stacked(names: list[str], xs: list[torch.Tensor], check: bool
     return q, s
 
 
-def mxfp8_stack_job(jobs: list["Job"], device: str, check: bool) -> "Job":
+def mxfp8_stack_job(jobs: list[Job], device: str, check: bool) -> Job:
     """One job for plain MXFP8 jobs (:func:`mxfp8_job`) whose sources share a shape, quantized as a
     stack (:func:`quantize_mxfp8_stacked`); each output is what its own job gives, byte for byte."""
     blocks_fn = kernels.blocks_fn("mxfp8", device)
@@ -282,7 +281,7 @@ def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
         t = plan.tensors[s]
         return int(np.prod(t.shape)) * DTYPES[t.dtype][0].itemsize
     rows = []
-    for j in (p for j in jobs for p in (j.parts or [j])):
+    for j in (part for job in jobs for part in (job.parts or [job])):
         tp = plan.tensors[j.sources[0]]
         rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
                             sum(nbytes(s) for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..formats import dialects, manifest as _manifest
+from ..formats import dialects
+from ..formats import manifest as _manifest
 from ..formats.manifest import MANIFEST_NAME
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint
@@ -76,7 +77,7 @@ def scheme_keys(scheme: str, dialect: str, opts: ConvertOptions) -> dict:
 def module_formats(plan: Plan, scheme: str, source=None) -> dict:
     """The manifest's ``tensors``: each module's format, shape and the plan's reason."""
     out = {}
-    for name, tp in plan.tensors.items():
+    for tp in plan.tensors.values():
         if tp.module is None:
             continue
         out[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16", "shape": list(tp.shape),

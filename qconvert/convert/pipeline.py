@@ -3,10 +3,10 @@ options, kernels, jobs, runner, metadata, destination and conversion (the conver
 
 from __future__ import annotations
 
+from ..formats.manifest import MANIFEST_NAME
 from .conversion import convert, prepare
 from .jobs import BuiltJobs, Job, build_jobs, load_input_scales, plan_rows
 from .kernels import CPU_WORKERS, CUDA_QUANTIZERS, HASH_STREAMS, cuda_quantizer
-from ..formats.manifest import MANIFEST_NAME
 from .options import ConvertOptions, ConvertResult, PlanRow
 
 __all__ = ["BuiltJobs", "CPU_WORKERS", "CUDA_QUANTIZERS", "ConvertOptions", "ConvertResult", "HASH_STREAMS", "Job",

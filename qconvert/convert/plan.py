@@ -18,8 +18,17 @@ from dataclasses import dataclass, field
 from ..errors import PlanError
 from ..formats.exclusions import experts_entry, whole_layer_entry
 from ..formats.schemes import SCHEME_BLOCK
-from .architectures import (EXPERT_RE, LAYER_RE, Arch, arch_of, check_config, expected_shapes, layer_key, num_layers,
-                            tie_word_embeddings)
+from .architectures import (
+    EXPERT_RE,
+    LAYER_RE,
+    Arch,
+    arch_of,
+    check_config,
+    expected_shapes,
+    layer_key,
+    num_layers,
+    tie_word_embeddings,
+)
 
 QUANTIZE = "quantize"
 KEEP = "keep"
@@ -212,7 +221,7 @@ def _check_layer_count(inventory, config, arch, n_layers, options, config_path, 
     notes.append(msg + "; engines build the config's count, check that config.json belongs to these weights")
 
 
-def _head_names(tensors: dict[str, "TensorPlan"]) -> list[str]:
+def _head_names(tensors: dict[str, TensorPlan]) -> list[str]:
     """Module names an engine gives a head it builds from the embedding: ``lm_head``, and
     ``X.lm_head`` when the embedding is ``X.model.embed_tokens`` (wrapped language models)."""
     out = ["lm_head"]

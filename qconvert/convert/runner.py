@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
 import torch
 
 from ..errors import CheckpointError, OutputError
@@ -121,7 +122,7 @@ class Runner:
     partial directory's journal (resume.py); output shards it verified are not rewritten."""
 
     def __init__(self, ckpt: Checkpoint, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,
-                 journal: "_resume.Partial | None" = None):
+                 journal: _resume.Partial | None = None):
         self.ckpt, self.jobs, self.tmp, self.opts, self.bytes_in, self.journal = ckpt, jobs, tmp, opts, bytes_in, journal
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
@@ -384,7 +385,7 @@ class Runner:
                 break
             except queue.Full:
                 if self.errors:
-                    raise self.errors[0]
+                    raise self.errors[0] from None  # a job's error, not the full queue
         self.bar.update(nsrc)
 
     def _dispatch(self):

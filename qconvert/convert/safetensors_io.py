@@ -20,10 +20,10 @@ import mmap
 import os
 import queue
 import re
-import threading
-import weakref
 import stat
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -25,7 +25,8 @@ from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
     from .checkpoint import guard, open_checkpoint
-    from .destination import check_dst as _check_dst, install as _install
+    from .destination import check_dst as _check_dst
+    from .destination import install as _install
 
     src, dst = Path(src), Path(dst).expanduser().absolute()
     _check_dst(dst, force, str(src))  # as convert: never DST = SRC, inside it or around it
@@ -101,7 +102,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                     per_expert = {k: (v.reshape(()) if k.endswith(NVFP4_SCALAR_SUFFIXES) else v)
                                   for k, v in per_expert.items()}
                 # natural order: expert, then gate/up/down, then suffix
-                def key(k):
+                def key(k, prefix=prefix):
                     rest = k[len(prefix) + 1:].split(".")
                     return (int(rest[0]), ["gate_proj", "up_proj", "down_proj"].index(rest[1]), rest[2])
                 for k in sorted(per_expert, key=key):

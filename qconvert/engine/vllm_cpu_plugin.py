@@ -232,15 +232,15 @@ def _build_classes():
         EmulationNvFp4LinearKernel,
         NvFp4LinearLayerConfig,
     )
-    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
     from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
+    from vllm.model_executor.layers.quantization import modelopt as mo
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW4A4Fp4,
     )
-    from vllm.model_executor.layers.quantization import modelopt as mo
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
         dequantize_to_dtype,
         get_reciprocal,

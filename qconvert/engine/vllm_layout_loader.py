@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 

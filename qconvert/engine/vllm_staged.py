@@ -29,10 +29,10 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -13,9 +13,17 @@ import enum
 import re
 from dataclasses import dataclass, field
 
-from .dialects import (HF_QUANT_CONFIG, SUFFIXES, WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV)
-from .exclusions import (COMPRESSED_TENSORS_READ_KEYS, EXCLUDE_MODULES, FP8_READ_KEYS, IGNORED_LAYERS,
-                         MODELOPT_READ_KEYS, MODULES_TO_NOT_CONVERT, MXFP8_READ_KEYS, config_where)
+from .dialects import HF_QUANT_CONFIG, SUFFIXES, WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV
+from .exclusions import (
+    COMPRESSED_TENSORS_READ_KEYS,
+    EXCLUDE_MODULES,
+    FP8_READ_KEYS,
+    IGNORED_LAYERS,
+    MODELOPT_READ_KEYS,
+    MODULES_TO_NOT_CONVERT,
+    MXFP8_READ_KEYS,
+    config_where,
+)
 from .manifest import MANIFEST_NAME, is_qconvert
 from .schemes import MXFP8_BLOCK, SCALE_TAGS
 

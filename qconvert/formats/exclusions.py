@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Callable
+from collections.abc import Callable
 
 # ---- keys ---------------------------------------------------------------------------------------
 

@@ -9,8 +9,17 @@ and looks into the JSON value.
 from __future__ import annotations
 
 from .dialects import WEIGHT_GLOBAL_SCALE, WEIGHT_SCALE_2, engines_for
-from .schemes import (MXFP8, MXFP8_RECIPE, MXFP8_SCALE_RULE, MXFP8_ZERO_BLOCK_SCALE_BYTE, MXFP8_ZERO_POLICY, NVFP4,
-                      NVFP4_ACTIVATIONS_TEXT, NVFP4_SCALE_RULE, NVFP4_SHARED_GLOBAL_SCALE)
+from .schemes import (
+    MXFP8,
+    MXFP8_RECIPE,
+    MXFP8_SCALE_RULE,
+    MXFP8_ZERO_BLOCK_SCALE_BYTE,
+    MXFP8_ZERO_POLICY,
+    NVFP4,
+    NVFP4_ACTIVATIONS_TEXT,
+    NVFP4_SCALE_RULE,
+    NVFP4_SHARED_GLOBAL_SCALE,
+)
 
 #: the manifest's file name, in the checkpoint directory
 MANIFEST_NAME = "qconvert.json"

@@ -24,10 +24,10 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from qconvert.errors import QConvertError
 
@@ -96,7 +96,7 @@ def slot_dir(root: Path, slot: int) -> Path:
     return Path(root) / f"slot-{slot}"
 
 
-def next_slot(commit: "Commit | None") -> int:
+def next_slot(commit: Commit | None) -> int:
     """The slot a writer fills next: the one that is not committed."""
     return 0 if commit is None else 1 - commit.slot
 
@@ -144,7 +144,7 @@ class AreaSpec:
         return {"format": FORMAT_V2, "contract": self.contract, "digest": self.digest, "tp": self.tp,
                 "ep": self.ep, "files": [f.to_json() for f in self.files], "extra_files": list(self.extra_files)}
 
-    def mismatch(self, other: "AreaSpec") -> str | None:
+    def mismatch(self, other: AreaSpec) -> str | None:
         """First difference that makes ``other`` not fit an area made as ``self`` (one phrase), else None."""
         if (self.tp, self.ep) != (other.tp, other.ep):
             return f"tp/ep {other.tp}/{other.ep} against the area's {self.tp}/{self.ep}"
@@ -504,7 +504,7 @@ class SlotLock:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 
-    def __enter__(self) -> "SlotLock":
+    def __enter__(self) -> SlotLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -40,10 +40,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -169,14 +169,14 @@ class Refitter:
                  engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
                  lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
                  pause: str | None = None, verify: bool = False, hash_threads: int | None = None):
-        from qconvert.formats import dialects
-        from qconvert.formats.manifest import LAYOUT_KEY, MANIFEST_NAME, VERSION_KEY
+        from qconvert import __version__
         from qconvert.convert import jobs as jobs_mod
         from qconvert.convert.jobs import build_jobs
         from qconvert.convert.metadata import module_formats, output_config, scheme_keys
         from qconvert.convert.options import ConvertOptions
         from qconvert.convert.plan import build_plan
-        from qconvert import __version__
+        from qconvert.formats import dialects
+        from qconvert.formats.manifest import LAYOUT_KEY, MANIFEST_NAME, VERSION_KEY
 
         opts = options or ConvertOptions()
         fs.check_name(name)
@@ -574,7 +574,7 @@ class Refitter:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._maps.close()
 
-    def __enter__(self) -> "Refitter":
+    def __enter__(self) -> Refitter:
         return self
 
     def __exit__(self, *exc) -> None:

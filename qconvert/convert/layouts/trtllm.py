@@ -39,9 +39,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qconvert.errors import QConvertError
-from qconvert.formats.dialects import ENGINE_VERSIONS, INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, WEIGHT_SCALE_INV
-from qconvert.formats.schemes import BLOCK
 from qconvert.convert.layouts.trtllm_index import (
     BLOCK_K_BYTES,
     EPILOGUE_TILE_M,
@@ -52,9 +49,18 @@ from qconvert.convert.layouts.trtllm_index import (
     swizzle_128x4,
     to_block_major_k,
     unswizzle_128x4,
-    w13_row_permutation,
     w2_row_permutation,
+    w13_row_permutation,
 )
+from qconvert.errors import QConvertError
+from qconvert.formats.dialects import (
+    ENGINE_VERSIONS,
+    INPUT_SCALE,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+    WEIGHT_SCALE_INV,
+)
+from qconvert.formats.schemes import BLOCK
 
 SCHEMES = ("bf16", "mxfp8", "nvfp4")
 ENGINES = ("vllm", "sglang")

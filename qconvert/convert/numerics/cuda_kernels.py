@@ -55,7 +55,7 @@ def available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _launch_options() -> dict:
     """Triton compile options for IEEE fp32 arithmetic, under the names this Triton knows."""
     opts = {}
