@@ -61,14 +61,23 @@ def _text_ok(s, limit: int) -> bool:
     """A one-line printable string: no control, format or line/paragraph-separator characters."""
     import unicodedata
 
-    return (isinstance(s, str) and 0 < len(s) <= limit and s == s.strip()
-            and not any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") for c in s))
+    return (
+        isinstance(s, str)
+        and 0 < len(s) <= limit
+        and s == s.strip()
+        and not any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") for c in s)
+    )
 
 
 def _str_list(v, ok, limit: int):
     """A string or a list of strings, each passing ``ok``; None if any fails."""
     items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not items or len(items) > limit or not all(isinstance(x, str) and ok(x) for x in items):
+    if (
+        not isinstance(items, list)
+        or not items
+        or len(items) > limit
+        or not all(isinstance(x, str) and ok(x) for x in items)
+    ):
         return None
     return v
 
@@ -76,8 +85,9 @@ def _str_list(v, ok, limit: int):
 CARRIED_KEYS = {
     "license": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "license_name": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
-    "license_link": lambda v: v if isinstance(v, str) and _LINK.fullmatch(v)
-    and ".." not in v.split("://")[-1].split("/") else None,
+    "license_link": lambda v: v
+    if isinstance(v, str) and _LINK.fullmatch(v) and ".." not in v.split("://")[-1].split("/")
+    else None,
     "library_name": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "pipeline_tag": lambda v: v if isinstance(v, str) and _ID.fullmatch(v) else None,
     "language": lambda v: _str_list(v, _LANG.fullmatch, 500),
@@ -98,12 +108,16 @@ def read_source_card(dst: Path, log: Callable[[str], None] | None = None) -> str
         return ""
     real = Path(os.path.realpath(p))
     if p.is_symlink() and Path(os.path.realpath(dst)) not in real.parents:
-        raise QConvertError(f"{p}: a symlink to {real}, outside {dst}; push reads only files inside DST — "
-                            "replace the link with a copy of the file")
+        raise QConvertError(
+            f"{p}: a symlink to {real}, outside {dst}; push reads only files inside DST — "
+            "replace the link with a copy of the file"
+        )
     try:
         st = os.stat(p)
     except OSError as e:
-        raise QConvertError(f"{p}: cannot be read ({e.strerror}); replace it with the source model card (or remove it)") from None
+        raise QConvertError(
+            f"{p}: cannot be read ({e.strerror}); replace it with the source model card (or remove it)"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         raise QConvertError(f"{p}: not a regular file; replace it with the source model card (or remove it)")
     with open(p, "rb") as f:
@@ -112,8 +126,10 @@ def read_source_card(dst: Path, log: Callable[[str], None] | None = None) -> str
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         text = data.decode("utf-8", errors="replace")
-        log(f"push: warning: {p} is not UTF-8 (first bad byte at offset {e.start}); invalid bytes are replaced "
-            "by U+FFFD in the card")
+        log(
+            f"push: warning: {p} is not UTF-8 (first bad byte at offset {e.start}); invalid bytes are replaced "
+            "by U+FFFD in the card"
+        )
     return text[1:] if text.startswith("\ufeff") else text
 
 
@@ -132,7 +148,7 @@ def split_card(text: str) -> tuple[dict, str, str]:
         meta = _safe_load(raw)
     except Exception:  # YAMLError, ValueError (bad dates), RecursionError (deep nesting)
         meta = {}
-    return (meta if isinstance(meta, dict) else {}), raw, text[m.end():]
+    return (meta if isinstance(meta, dict) else {}), raw, text[m.end() :]
 
 
 def _safe_load(raw: str):
@@ -181,18 +197,18 @@ def _source_section(text: str) -> tuple[str, str] | None:
     end = m.start()
     if n_body > end:
         return None
-    body = text[end - n_body:end]
-    pre = text[:end - n_body]
+    body = text[end - n_body : end]
+    pre = text[: end - n_body]
     if not pre.endswith("\n" + SRC_BODY + "\n"):
         return None
-    pre = pre[:-len(SRC_BODY) - 1]
+    pre = pre[: -len(SRC_BODY) - 1]
     if not n_meta:
         return ("", body) if pre.endswith(SRC_BEGIN + "\n") else None
     fence = pre[:-1].rsplit("\n", 1)[-1]
     if not re.fullmatch(r"`{3,}", fence):
         return None
-    pre = pre[:-len(fence) - 2]
-    raw = pre[len(pre) - n_meta:]
+    pre = pre[: -len(fence) - 2]
+    raw = pre[len(pre) - n_meta :]
     return (raw, body) if len(raw) == n_meta and pre[:-n_meta].endswith(fence + "yaml\n") else None
 
 
@@ -235,6 +251,7 @@ def carried_metadata(smeta: dict) -> tuple[dict, list[str]]:
 
 # ---- card ---------------------------------------------------------------------------------------
 
+
 def _repo_like(s: str | None) -> bool:
     return isinstance(s, str) and _REPO.fullmatch(s) is not None and ".." not in s and not Path(s).exists()
 
@@ -251,8 +268,9 @@ def _collapse(names: list[str]) -> list[str]:
     return [f"`{_md(k.replace('{L}', '{' + index_ranges(v) + '}'), 500)}`" for k, v in out.items()]
 
 
-def launch_commands(repo: str, scheme: str, dialect: str, moe: bool, revision: str | None = None,
-                    layout: dict | None = None) -> list[dict]:
+def launch_commands(
+    repo: str, scheme: str, dialect: str, moe: bool, revision: str | None = None, layout: dict | None = None
+) -> list[dict]:
     """Per engine: whether it loads, GPUs, and ready-to-paste commands [(gpus, command)]."""
     rev = ["--revision", revision] if revision else []
     out = []
@@ -309,14 +327,24 @@ def card_base_model(dst: Path, base_model: str | None, log: Callable[[str], None
     src_id = (_manifest(dst).get("source") or {}).get("id")
     if isinstance(src_id, str) and _repo_like(src_id):
         return src_id
-    log(f"push: the card has no base_model: the source ({src_id or 'unknown'}) is not a Hub repo id; pass "
-        "--base-model ORG/NAME to name the model it was converted from")
+    log(
+        f"push: the card has no base_model: the source ({src_id or 'unknown'}) is not a Hub repo id; pass "
+        "--base-model ORG/NAME to name the model it was converted from"
+    )
     return None
 
 
-def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, base_model: str | None = None,
-                revision: str | None = None, source_text: str | None = None,
-                report: InspectReport | None = None, log: Callable[[str], None] | None = None) -> str:
+def render_card(
+    dst: str | os.PathLike,
+    repo_id: str,
+    *,
+    verify_report=None,
+    base_model: str | None = None,
+    revision: str | None = None,
+    source_text: str | None = None,
+    report: InspectReport | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """README.md for the checkpoint at ``dst`` published as ``repo_id``. Deterministic: the same
     inputs give the same bytes, and rendering from a card it wrote (``source_text``) gives it back."""
     log = log or (lambda s: None)
@@ -333,8 +361,11 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
 
     carried, dropped = carried_metadata(smeta)
     if dropped:
-        log("push: source card metadata not carried into the card's metadata (not a valid value): " + ", ".join(dropped)
-            + "; it stays under 'Original model card'")
+        log(
+            "push: source card metadata not carried into the card's metadata (not a valid value): "
+            + ", ".join(dropped)
+            + "; it stays under 'Original model card'"
+        )
     meta: dict = {}
     if base:
         meta["base_model"] = base
@@ -370,9 +401,11 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
     L.append(f"# {name}")
     L.append("")
     of = f"[{base}](https://huggingface.co/{base})" if base else "its BF16 source"
-    L.append(f"{scheme.upper()} quantization of {of}, made with "
-             f"qconvert {_md(man.get('qconvert_version', __version__))}. "
-             f"Engines: " + ", ".join(e.engine for e in rep.engines if e.loads) + ".")
+    L.append(
+        f"{scheme.upper()} quantization of {of}, made with "
+        f"qconvert {_md(man.get('qconvert_version', __version__))}. "
+        f"Engines: " + ", ".join(e.engine for e in rep.engines if e.loads) + "."
+    )
     L.append("")
     L.append("## Quantization")
     L.append("")
@@ -383,6 +416,7 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
     if man.get("recipe"):
         L.append(f"| recipe | `{_md(man['recipe'])}` |")
     from .convert.fp8_source import summarize
+
     src_line = summarize((man.get("source") or {}).get("quantized") if isinstance(man.get("source"), dict) else None)
     if src_line:
         L.append(f"| source | {_md(src_line)} |")
@@ -393,14 +427,21 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
             L.append(f"| {k.replace('_', ' ')} | {_md(man[k])} |")
     if rep.layouts:
         lay = rep.layouts[0]
-        g = {k: _md(lay.get(k, "")) for k in ("layout", "layout_version", "engine", "engine_version", "tp", "ep",
-                                                "flashinfer_version")}
-        L.append(f"| expert layout | pre-shuffled `{g['layout']}` v{g['layout_version']} for {g['engine']} "
-                 f"{g['engine_version']} (tp={g['tp']}, ep={g['ep']}, FlashInfer {g['flashinfer_version']}) |")
+        g = {
+            k: _md(lay.get(k, ""))
+            for k in ("layout", "layout_version", "engine", "engine_version", "tp", "ep", "flashinfer_version")
+        }
+        L.append(
+            f"| expert layout | pre-shuffled `{g['layout']}` v{g['layout_version']} for {g['engine']} "
+            f"{g['engine_version']} (tp={g['tp']}, ep={g['ep']}, FlashInfer {g['flashinfer_version']}) |"
+        )
     opts = man.get("options") or {}
     if opts:
-        L.append("| options | " + ", ".join(f"`{_md(k)}={_md(v)}`" for k, v in opts.items() if v not in (None, (), [], False, 0))
-                 + " |")
+        L.append(
+            "| options | "
+            + ", ".join(f"`{_md(k)}={_md(v)}`" for k, v in opts.items() if v not in (None, (), [], False, 0))
+            + " |"
+        )
     L.append("")
 
     # BF16 modules and why
@@ -425,8 +466,11 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
     excl = next(iter(rep.exclusions.values()), None)
     if excl is not None:
         L.append("")
-        L.append(f"The exclusion list ({len(excl)} entries, in `" + "`, `".join(
-            w.split(" ")[-1] for w in rep.exclusions) + "`) names these modules so both engines load them unquantized.")
+        L.append(
+            f"The exclusion list ({len(excl)} entries, in `"
+            + "`, `".join(w.split(" ")[-1] for w in rep.exclusions)
+            + "`) names these modules so both engines load them unquantized."
+        )
     L.append("")
 
     t = rep.totals
@@ -443,20 +487,27 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
         L.append("Not verified against the source when this card was written.")
     else:
         v = verify_report
-        L.append(f"`qconvert verify` {'passed' if v.ok else 'FAILED'}: {len(v.tensors)} quantized tensors dequantized and "
-                 f"compared with the BF16 source, {v.kept_identical} BF16 tensors byte-identical; config, index, "
-                 "manifest checksums and exclusion list consistent." if v.ok else
-                 f"`qconvert verify` FAILED ({len(v.failures)} problems); pushed with --allow-unverified.")
+        L.append(
+            f"`qconvert verify` {'passed' if v.ok else 'FAILED'}: {len(v.tensors)} quantized tensors dequantized and "
+            f"compared with the BF16 source, {v.kept_identical} BF16 tensors byte-identical; config, index, "
+            "manifest checksums and exclusion list consistent."
+            if v.ok
+            else f"`qconvert verify` FAILED ({len(v.failures)} problems); pushed with --allow-unverified."
+        )
         L.append("")
         L.append("| module group | format | tensors | rel. error mean | rel. error max | min SQNR |")
         L.append("|---|---|---|---|---|---|")
         for g, d in v.groups().items():
-            L.append(f"| `{g}` | {d['format']} | {d['count']} | {d['mean_rel_err']:.4f} | {d['max_rel_err']:.4f} | "
-                     f"{d['min_sqnr_db']:.1f} dB |")
+            L.append(
+                f"| `{g}` | {d['format']} | {d['count']} | {d['mean_rel_err']:.4f} | {d['max_rel_err']:.4f} | "
+                f"{d['min_sqnr_db']:.1f} dB |"
+            )
         if v.engine and v.engine.get("top1_agreement") is not None:
             L.append("")
-            L.append(f"vLLM next-token agreement with the source: top-1 {v.engine['top1_agreement']:.3f}, "
-                     f"mean KL {v.engine['mean_kl']:.4g}.")
+            L.append(
+                f"vLLM next-token agreement with the source: top-1 {v.engine['top1_agreement']:.3f}, "
+                f"mean KL {v.engine['mean_kl']:.4g}."
+            )
     L.append("")
 
     L.append("## Serving")
@@ -491,8 +542,10 @@ def render_card(dst: str | os.PathLike, repo_id: str, *, verify_report=None, bas
         L.append("## License")
         L.append("")
         link = f"[{license_link}]({license_link})" if license_link else ""
-        L.append(f"`{lic}`{(' (' + license_name + ')') if license_name else ''}, inherited from "
-                 f"the source model{': ' + link if link else ''}.")
+        L.append(
+            f"`{lic}`{(' (' + license_name + ')') if license_name else ''}, inherited from "
+            f"the source model{': ' + link if link else ''}."
+        )
         L.append("")
     if sraw or sbody.strip():
         L.append("## Original model card")
@@ -526,11 +579,14 @@ def _check_front_matter(card: str, meta: dict) -> None:
 
     m = REGEX_YAML_BLOCK.search(card)
     if not m or m.start() != 0 or _safe_load(m.group(2)) != meta or not card.startswith(CARD_MARKER, m.end()):
-        raise QConvertError("internal error: the model card's metadata does not read back as written; "
-                            "please report this with the source README.md")
+        raise QConvertError(
+            "internal error: the model card's metadata does not read back as written; "
+            "please report this with the source README.md"
+        )
 
 
 # ---- push ---------------------------------------------------------------------------------------
+
 
 def _source_of(dst: Path) -> str | None:
     source = _manifest(dst).get("source")
@@ -538,10 +594,21 @@ def _source_of(dst: Path) -> str | None:
     return sid if isinstance(sid, str) and sid and (Path(sid).is_dir() or _repo_like(sid)) else None
 
 
-def push(dst: str | os.PathLike, repo_id: str, *, private: bool = False, revision: str | None = None,
-         token: str | None = None, allow_unverified: bool = False, src: str | None = None, base_model: str | None = None,
-         max_rel_err: float | None = None, verify_report=None, progress: bool | None = None,
-         log: Callable[[str], None] | None = None) -> str:
+def push(
+    dst: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    allow_unverified: bool = False,
+    src: str | None = None,
+    base_model: str | None = None,
+    max_rel_err: float | None = None,
+    verify_report=None,
+    progress: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """Verify ``dst`` (unless a report is given), build README.md (the card) and qconvert-verify.json
     in memory, and upload them with ``dst``'s files. ``dst`` itself is never written: the card
     replaces ``dst/README.md`` on the Hub only. Returns the repo URL."""
@@ -560,8 +627,10 @@ def push(dst: str | os.PathLike, repo_id: str, *, private: bool = False, revisio
         src = src or _source_of(dst)
         if src is None:
             if not allow_unverified:
-                raise QConvertError(f"{dst}: cannot verify before pushing because the BF16 source is unknown; "
-                                    "pass --src SRC (or --allow-unverified to push unverified)")
+                raise QConvertError(
+                    f"{dst}: cannot verify before pushing because the BF16 source is unknown; "
+                    "pass --src SRC (or --allow-unverified to push unverified)"
+                )
             log("push: not verified (no source); --allow-unverified")
         else:
             log(f"push: verifying {dst} against {src}")
@@ -569,11 +638,21 @@ def push(dst: str | os.PathLike, repo_id: str, *, private: bool = False, revisio
             log(format_report(vr))
     if vr is not None and not vr.ok:
         if not allow_unverified:
-            raise QConvertError(f"{dst}: verify failed ({vr.failures[0]}); fix the checkpoint, or pass "
-                                "--allow-unverified to push it anyway")
+            raise QConvertError(
+                f"{dst}: verify failed ({vr.failures[0]}); fix the checkpoint, or pass "
+                "--allow-unverified to push it anyway"
+            )
         log(f"push: verify failed ({len(vr.failures)} problems); pushing anyway (--allow-unverified)")
-    card = render_card(dst, repo_id, verify_report=vr, base_model=base_model, revision=revision,
-                       source_text=source_text, report=rep, log=log)
+    card = render_card(
+        dst,
+        repo_id,
+        verify_report=vr,
+        base_model=base_model,
+        revision=revision,
+        source_text=source_text,
+        report=rep,
+        log=log,
+    )
     extra = {"README.md": card.encode("utf-8")}
     if vr is not None:
         extra[VERIFY_NAME] = (json.dumps(vr.to_dict(), indent=2, default=str) + "\n").encode("utf-8")
@@ -596,8 +675,10 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
         rel = Path(d).relative_to(dst)
         for name in sorted(dirs):
             if (Path(d) / name).is_symlink():
-                raise QConvertError(f"{Path(d) / name}: a symlinked directory; push uploads only files inside "
-                                    "DST — replace the link with a copy")
+                raise QConvertError(
+                    f"{Path(d) / name}: a symlinked directory; push uploads only files inside "
+                    "DST — replace the link with a copy"
+                )
             (stage / rel / name).mkdir()
         for name in sorted(files):
             p = Path(d) / name
@@ -605,8 +686,10 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
                 continue
             real = Path(os.path.realpath(p))
             if root not in real.parents:
-                raise QConvertError(f"{p}: a symlink to {real}, outside {dst}; push uploads only files inside DST — "
-                                    "replace the link with a copy of the file")
+                raise QConvertError(
+                    f"{p}: a symlink to {real}, outside {dst}; push uploads only files inside DST — "
+                    "replace the link with a copy of the file"
+                )
             try:
                 regular = stat.S_ISREG(os.stat(real).st_mode)
             except OSError as e:
@@ -618,8 +701,16 @@ def _stage(dst: Path, extra: dict[str, bytes], stage: Path) -> None:
         (stage / name).write_bytes(data)
 
 
-def upload(dst: Path, repo_id: str, *, private: bool = False, revision: str | None = None, token: str | None = None,
-           log: Callable[[str], None] | None = None, extra: dict[str, bytes] | None = None) -> str:
+def upload(
+    dst: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    log: Callable[[str], None] | None = None,
+    extra: dict[str, bytes] | None = None,
+) -> str:
     """Create the repo (and branch) if needed and upload ``dst`` plus ``extra`` (name -> bytes, in
     place of ``dst``'s files of those names) from a temporary mirror of symlinks, so ``dst`` is only
     read. Files already on the Hub are not sent again, so re-running resumes."""
@@ -643,17 +734,29 @@ def upload(dst: Path, repo_id: str, *, private: bool = False, revision: str | No
                 api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
             log(f"push: uploading {dst} to {repo_id}" + (f"@{revision}" if revision else ""))
             if hasattr(api, "upload_large_folder"):  # huggingface_hub < 1.0
-                api.upload_large_folder(repo_id=repo_id, folder_path=str(stage), repo_type="model", revision=revision,
-                                        private=private, ignore_patterns=UPLOAD_IGNORE)
+                api.upload_large_folder(
+                    repo_id=repo_id,
+                    folder_path=str(stage),
+                    repo_type="model",
+                    revision=revision,
+                    private=private,
+                    ignore_patterns=UPLOAD_IGNORE,
+                )
             else:
-                api.upload_folder(repo_id=repo_id, folder_path=str(stage), repo_type="model", revision=revision,
-                                  commit_message=f"qconvert {__version__}: upload {dst.name}",
-                                  ignore_patterns=UPLOAD_IGNORE)
+                api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=str(stage),
+                    repo_type="model",
+                    revision=revision,
+                    commit_message=f"qconvert {__version__}: upload {dst.name}",
+                    ignore_patterns=UPLOAD_IGNORE,
+                )
         except KeyboardInterrupt:
             raise
         except Exception as e:
-            raise QConvertError(f"{repo_id}: upload failed: {hub_error_line(e, endpoint)}; {dst} was not changed, "
-                                "re-run push to resume") from None
+            raise QConvertError(
+                f"{repo_id}: upload failed: {hub_error_line(e, endpoint)}; {dst} was not changed, re-run push to resume"
+            ) from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return str(url)

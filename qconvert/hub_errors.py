@@ -41,14 +41,34 @@ def hub_error_line(e: BaseException, endpoint: str | None = None) -> str:
     code = getattr(getattr(http, "response", None), "status_code", None) if http is not None else None
     if http is not None and code is not None:
         msg = redact(getattr(http, "server_message", None) or str(http), 200)
-        hint = {401: "check HF_TOKEN (or `hf auth login`)", 403: "check that your token may write to this repo",
-                404: "check the repo id and that your token can see it"}.get(code, "re-run later; re-running resumes")
+        hint = {
+            401: "check HF_TOKEN (or `hf auth login`)",
+            403: "check that your token may write to this repo",
+            404: "check the repo id and that your token can see it",
+        }.get(code, "re-run later; re-running resumes")
         return f"the Hub at {endpoint} answered HTTP {code} ({msg}); {hint}"
-    net = next((x for x in chain if type(x).__name__.endswith(
-        ("ConnectError", "Timeout", "TimeoutException", "NetworkError", "ProtocolError", "ConnectionError",
-         "RemoteDisconnected"))), None)
+    net = next(
+        (
+            x
+            for x in chain
+            if type(x).__name__.endswith(
+                (
+                    "ConnectError",
+                    "Timeout",
+                    "TimeoutException",
+                    "NetworkError",
+                    "ProtocolError",
+                    "ConnectionError",
+                    "RemoteDisconnected",
+                )
+            )
+        ),
+        None,
+    )
     net = net or next((x for x in chain if isinstance(x, OSError) and not isinstance(x, FileNotFoundError)), None)
     if net is not None:
-        return (f"cannot reach the Hub at {endpoint} ({type(net).__name__}: {redact(net, 200)}); check the network "
-                "and HF_ENDPOINT")
+        return (
+            f"cannot reach the Hub at {endpoint} ({type(net).__name__}: {redact(net, 200)}); check the network "
+            "and HF_ENDPOINT"
+        )
     return f"Hub request to {endpoint} failed ({type(e).__name__}: {redact(e, 200)})"

@@ -39,6 +39,7 @@ from .formats.schemes import BLOCK
 
 # ---- reading a checkpoint (headers only) --------------------------------------------------------
 
+
 def read_checkpoint(path: str | Path) -> CheckpointDir:
     """Config, optional hf_quant_config / manifest / index, and every shard header, read leniently
     (:func:`~qconvert.convert.checkpoint.open_checkpoint`): only what makes the directory unreadable
@@ -50,6 +51,7 @@ def read_checkpoint(path: str | Path) -> CheckpointDir:
 
 
 # ---- the report ---------------------------------------------------------------------------------
+
 
 @dataclass
 class InspectReport:
@@ -111,7 +113,9 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
     det = detect(ck.config, ck.hf_quant_config, ck.manifest, mods)
     layouts = find_layouts(ck.manifest)
     archs = ck.config.get("architectures") or ["<none>"]
-    moe = any(".experts." in n for n in mods) or any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    moe = any(".experts." in n for n in mods) or any(
+        k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
     findings = [f for f in det.findings if not f.conflict] + [f for f in det.findings if f.conflict]
     notes = [f.text() for f in findings] + (fused_note(ck) if det.scheme == "bf16" and not layouts else [])
     if any(m.stacked for m in mods.values()) and not layouts:
@@ -157,11 +161,25 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
         "shards": [h.path.name for h in ck.shards],
     }
     engines = engine_support(det.scheme, det.dialect, moe, layouts[0] if layouts else None)
-    return InspectReport(str(ck.root), det.scheme, det.dialect, det.producer, det.quant_method, archs[0], moe,
-                         layouts, sorted(mods.values(), key=lambda m: _natural(m.name)), totals,
-                         det.exclusion_keys, engines, notes, ck.problems,
-                         nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
-                         _manifest.recipe(ck.manifest), _quantized_source(ck.manifest, det))
+    return InspectReport(
+        str(ck.root),
+        det.scheme,
+        det.dialect,
+        det.producer,
+        det.quant_method,
+        archs[0],
+        moe,
+        layouts,
+        sorted(mods.values(), key=lambda m: _natural(m.name)),
+        totals,
+        det.exclusion_keys,
+        engines,
+        notes,
+        ck.problems,
+        nvfp4_activations(mods, layouts) if det.scheme == "nvfp4" else None,
+        _manifest.recipe(ck.manifest),
+        _quantized_source(ck.manifest, det),
+    )
 
 
 def _quantized_source(manifest: dict | None, det) -> str | None:
@@ -177,6 +195,7 @@ def fused_note(ck) -> list[str]:
     a note naming their orientation, or the one-line reason it refuses them."""
     from .convert import fused
     from .errors import QConvertError
+
     try:
         _, views = fused.source_entries(ck.tensors, ck.config, ck.root / "config.json")
     except QConvertError as e:
@@ -187,9 +206,10 @@ def fused_note(ck) -> list[str]:
     n = len({v.source for v in views.values()})
     orient = {v.orientation for v in views.values()}.pop()
     form = "[E, out, in] (transformers 5)" if orient == fused.OUT_IN else "[E, in, out] (transposed)"
-    return [f"fused expert tensors: {n} (…experts.gate_up_proj / down_proj, {form}); qconvert "
-            "writes them as per-expert experts.{e}.gate_proj/up_proj/down_proj"]
-
+    return [
+        f"fused expert tensors: {n} (…experts.gate_up_proj / down_proj, {form}); qconvert "
+        "writes them as per-expert experts.{e}.gate_proj/up_proj/down_proj"
+    ]
 
 
 def fmt_bytes(n: float) -> str:
@@ -213,22 +233,33 @@ def format_report(r: InspectReport, limit: int | None = None) -> str:
     lines.append("")
     fmt = r.scheme if r.scheme != "unknown" else "unknown"
     lines.append(f"checkpoint : {r.path}")
-    lines.append(f"format     : {fmt}" + (f" {r.activations}" if r.activations else "")
-                 + f" ({r.dialect} dialect, written by {r.producer}"
-                 + (f", quant_method {r.quant_method!r}" if r.quant_method else "") + ")")
+    lines.append(
+        f"format     : {fmt}"
+        + (f" {r.activations}" if r.activations else "")
+        + f" ({r.dialect} dialect, written by {r.producer}"
+        + (f", quant_method {r.quant_method!r}" if r.quant_method else "")
+        + ")"
+    )
     if r.scheme in ("mxfp8", "nvfp4"):
-        lines.append(f"recipe     : {r.recipe}" if r.recipe else
-                     "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)")
+        lines.append(
+            f"recipe     : {r.recipe}"
+            if r.recipe
+            else "recipe     : unknown (no qconvert.json: the tensors alone do not tell the recipe)"
+        )
     if r.source:
         lines.append(f"source     : {r.source}")
     lines.append(f"model      : {r.architecture}" + (" (MoE)" if r.moe else ""))
     for lay in r.layouts:
-        lines.append(f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "
-                     f"({lay.get('scheme')}, tp={lay.get('tp')}, ep={lay.get('ep')}, FlashInfer {lay.get('flashinfer_version')})")
+        lines.append(
+            f"layout     : pre-shuffled {lay.get('layout')} v{lay.get('layout_version')} for {lay.get('engine')} "
+            f"({lay.get('scheme')}, tp={lay.get('tp')}, ep={lay.get('ep')}, FlashInfer {lay.get('flashinfer_version')})"
+        )
     if not r.layouts:
         lines.append("layout     : plain (per-expert tensors, as the engines' stock loaders read them)")
     by = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in t["bytes_by_format"].items())
-    lines.append(f"modules    : {t['modules']} ({t['quantized_modules']} quantized), {t['tensors']} tensors in {len(t['shards'])} shard(s)")
+    lines.append(
+        f"modules    : {t['modules']} ({t['quantized_modules']} quantized), {t['tensors']} tensors in {len(t['shards'])} shard(s)"
+    )
     lines.append(f"size       : {fmt_bytes(t['bytes'])} ({by})")
     lines.append(f"vs BF16    : {fmt_bytes(t['bf16_bytes'])} -> {t['compression_ratio']:.2f}x smaller")
     for where, lst in r.exclusions.items():

@@ -116,8 +116,17 @@ class VerifyReport:
         out: dict[str, dict] = {}
         for t in self.tensors:
             g = re.sub(r"\.\d+\.", ".*.", t.module)
-            d = out.setdefault(g, {"format": t.format, "count": 0, "mean_rel_err": 0.0, "max_rel_err": 0.0,
-                                   "min_sqnr_db": math.inf, "worst": t.module})
+            d = out.setdefault(
+                g,
+                {
+                    "format": t.format,
+                    "count": 0,
+                    "mean_rel_err": 0.0,
+                    "max_rel_err": 0.0,
+                    "min_sqnr_db": math.inf,
+                    "worst": t.module,
+                },
+            )
             d["count"] += 1
             d["mean_rel_err"] += t.rel_err
             if not t.rel_err < d["max_rel_err"]:  # NaN is the worst
@@ -137,6 +146,7 @@ class VerifyReport:
 
 
 # ---- numerics -----------------------------------------------------------------------------------
+
 
 def _nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     try:
@@ -162,10 +172,13 @@ def _nvfp4_scale_2(ts: dict[str, torch.Tensor]) -> torch.Tensor:
     return 1.0 / ts[WEIGHT_GLOBAL_SCALE].float().reshape(-1)[0]
 
 
-def _dequantize(fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _dequantize(
+    fmt: str, dialect: str, ts: dict[str, torch.Tensor], m: Module
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(fp32 decoded weight, decode-convention global scale or None)."""
     if fmt == "mxfp8":
         from .convert.numerics.mxfp8 import mxfp8_dequantize
+
         s = ts[m.scale_suffix]
         if s.dtype != torch.uint8:
             s = s.view(torch.uint8)
@@ -235,16 +248,19 @@ def _decode_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         e4m3 = bytes_.view(torch.float8_e4m3fn).float()
         if fmt == "mxfp8":
             from .convert.numerics.mxfp8 import mxfp8_dequantize
+
             ones = torch.ones(256, BLOCK["mxfp8"]).to(torch.float8_e4m3fn)
             _TABLES[fmt] = (e4m3, mxfp8_dequantize(ones, bytes_.reshape(256, 1))[:, 0].contiguous())
         else:
             from .convert.numerics.nvfp4 import e2m1_to_float
+
             _TABLES[fmt] = (e2m1_to_float(torch.arange(16)), e4m3)
     return _TABLES[fmt]
 
 
-def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: Module,
-                    workers: int) -> tuple[float, float, float, tuple | None] | None:
+def encoded_compare(
+    x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: Module, workers: int
+) -> tuple[float, float, float, tuple | None] | None:
     """:func:`compare` of the decoded tensor, computed from the encoded tensors in one pass by the C
     kernels (no decoded copy; ~20x faster), or None where they cannot run here or the tensors do
     not have the shapes the format implies (the caller then decodes, and reports what is wrong)."""
@@ -268,12 +284,17 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
         codes, block, atol = q, BLOCK[fmt], max(6 * 2.0**-6 * s2, 1e-30)
     else:
         return None
-    if (k % block or sc.element_size() != 1 or sc.shape != (*x.shape[:-1], k // block)
-            or not (codes.is_contiguous() and sc.is_contiguous())):
+    if (
+        k % block
+        or sc.element_size() != 1
+        or sc.shape != (*x.shape[:-1], k // block)
+        or not (codes.is_contiguous() and sc.is_contiguous())
+    ):
         return None
     elem_lut, scale_lut = _decode_tables(fmt)
     xn, en, nonfinite, worst, first = cpu_kernels.decode_stats(
-        x, codes, sc.view(torch.uint8), elem_lut, scale_lut, s2, BLOCK_BOUND[fmt], atol, block, fmt == "nvfp4", workers)
+        x, codes, sc.view(torch.uint8), elem_lut, scale_lut, s2, BLOCK_BOUND[fmt], atol, block, fmt == "nvfp4", workers
+    )
     rel, sqnr = _figures(xn, math.inf if nonfinite else en)
     at = None
     if worst > 1:
@@ -282,6 +303,7 @@ def encoded_compare(x: torch.Tensor, ts: dict[str, torch.Tensor], fmt: str, m: M
 
 
 # ---- the run ------------------------------------------------------------------------------------
+
 
 def _nvfp4_groups(mods: dict[str, Module]) -> dict[str, list[str]]:
     """NVFP4 module -> the modules whose source amax gives its global scale (the converter's fused
@@ -306,8 +328,9 @@ def _quantized_suffixes(m: Module) -> list[str]:
 
 
 class _Verifier:
-    def __init__(self, src: str, dst: str, max_rel_err: float | None, progress: bool | None,
-                 log: Callable[[str], None]):
+    def __init__(
+        self, src: str, dst: str, max_rel_err: float | None, progress: bool | None, log: Callable[[str], None]
+    ):
         self.r = VerifyReport(str(src), str(dst))
         self.src_arg, self.dst_arg = src, dst
         self.user_max = max_rel_err
@@ -331,11 +354,14 @@ class _Verifier:
         self.dst = dst = read_checkpoint(self.dst_arg)
         self.src = load_checkpoint(self.src_arg)
         # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
-        self._src_entries, self._src_views = fused.source_entries(self.src.tensors, self.src.config,
-                                                                  self.src.root / "config.json")
+        self._src_entries, self._src_views = fused.source_entries(
+            self.src.tensors, self.src.config, self.src.root / "config.json"
+        )
         from .convert import fp8_source  # an FP8 block-scaled SRC is compared through its decode
-        self.fp8 = fp8_source.detect(self.src.config, {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()},
-                                     self.src.root / "config.json")
+
+        self.fp8 = fp8_source.detect(
+            self.src.config, {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()}, self.src.root / "config.json"
+        )
         for p in dst.problems:
             self.fail("index", p)
         self.ok("index")
@@ -344,8 +370,11 @@ class _Verifier:
         r.scheme, r.dialect = det.scheme, det.dialect
         self.det = det
         if not det.verifiable:
-            self.fail("format", f"{dst.root / 'config.json'}: format {det.scheme} ({det.dialect}) cannot be verified; "
-                                f"{'; '.join(det.notes) or 'qconvert verifies BF16, MXFP8 and NVFP4 checkpoints'}")
+            self.fail(
+                "format",
+                f"{dst.root / 'config.json'}: format {det.scheme} ({det.dialect}) cannot be verified; "
+                f"{'; '.join(det.notes) or 'qconvert verifies BF16, MXFP8 and NVFP4 checkpoints'}",
+            )
         else:
             self.ok("format", f"{det.scheme} ({det.dialect})")
         for n in det.conflicts:
@@ -370,8 +399,10 @@ class _Verifier:
         bad = sum(not t.ok for t in r.tensors) + self._kept_bad
         total = len(r.tensors) + r.kept_identical + self._kept_bad
         if total >= 4 and bad * 2 > total:
-            r.diagnosis = (f"{bad} of {total} tensors do not match SRC: DST was probably converted from different "
-                           "weights than SRC (no source digests to confirm it); pass the SRC DST was converted from")
+            r.diagnosis = (
+                f"{bad} of {total} tensors do not match SRC: DST was probably converted from different "
+                "weights than SRC (no source digests to confirm it); pass the SRC DST was converted from"
+            )
             r.failures.insert(0, r.diagnosis)
 
     def _check_config(self):
@@ -382,8 +413,11 @@ class _Verifier:
                 continue
             if sc.get(k) != dc.get(k):
                 bad += 1
-                self.fail("config", f"{self.dst.root / 'config.json'}: {k!r} is {dc.get(k)!r} but the source has "
-                                    f"{sc.get(k)!r}; copy it from the source config.json")
+                self.fail(
+                    "config",
+                    f"{self.dst.root / 'config.json'}: {k!r} is {dc.get(k)!r} but the source has "
+                    f"{sc.get(k)!r}; copy it from the source config.json",
+                )
         self.ok("config")
 
     def _match_names(self) -> dict[str, tuple[str, list[str]]]:
@@ -403,8 +437,11 @@ class _Verifier:
             if sfx == "weight" and m is not None and m.format in ("mxfp8", "nvfp4"):
                 n, k = se.shape if len(se.shape) == 2 else (None, None)
                 if n is None or list(m.shape) != [n, k]:
-                    self.fail("structure", f"tensor {mod}.*: stored as {m.format} of shape {m.shape} but the source "
-                                           f"{name} is {list(se.shape)}; re-run the conversion")
+                    self.fail(
+                        "structure",
+                        f"tensor {mod}.*: stored as {m.format} of shape {m.shape} but the source "
+                        f"{name} is {list(se.shape)}; re-run the conversion",
+                    )
                     used |= {f"{mod}.{s}" if not m.stacked else s for s in m.tensors if s not in KEPT_SUFFIXES}
                     continue
                 exp = accepted_tensors(m.format, self.det.dialect, m.scale_suffix, n, k)
@@ -414,18 +451,27 @@ class _Verifier:
                     tname = f"{mod}.{s}"
                     used.add(tname)
                     if s not in exp:
-                        self.fail("structure", f"tensor {tname!r}: unexpected for {m.format} in the {self.det.dialect} "
-                                               f"dialect (expected {', '.join(sorted(exp))}); remove it or re-convert")
+                        self.fail(
+                            "structure",
+                            f"tensor {tname!r}: unexpected for {m.format} in the {self.det.dialect} "
+                            f"dialect (expected {', '.join(sorted(exp))}); remove it or re-convert",
+                        )
                         continue
                     tags, want = exp[s]
                     scalar_ok = want is None and shape in ([], [1])
                     if dt not in tags or not (scalar_ok or shape == want):
-                        self.fail("structure", f"tensor {tname!r}: {dt} {shape}, expected {'/'.join(sorted(tags))} "
-                                               f"{want if want is not None else '[] or [1]'}; re-run the conversion")
+                        self.fail(
+                            "structure",
+                            f"tensor {tname!r}: {dt} {shape}, expected {'/'.join(sorted(tags))} "
+                            f"{want if want is not None else '[] or [1]'}; re-run the conversion",
+                        )
                 for s in exp:
                     if s in REQUIRED_SUFFIXES and s not in m.tensors:
-                        self.fail("structure", f"tensor {mod}.{s!s}: missing ({m.format}, {self.det.dialect} dialect "
-                                               f"needs it); re-run the conversion")
+                        self.fail(
+                            "structure",
+                            f"tensor {mod}.{s!s}: missing ({m.format}, {self.det.dialect} dialect "
+                            f"needs it); re-run the conversion",
+                        )
                 plan[mod] = ("quantized", [name])
                 continue
             if name in dst_t:
@@ -433,8 +479,11 @@ class _Verifier:
                 de = dst_t[name]
                 sdt = "BF16" if self.fp8 and name in self.fp8.scales else se.dtype  # kept: its BF16 decode
                 if de.dtype != sdt or tuple(de.shape) != tuple(se.shape):
-                    self.fail("structure", f"tensor {name!r}: {de.dtype} {list(de.shape)} in DST but {sdt} "
-                                           f"{list(se.shape)} in the source; re-run the conversion")
+                    self.fail(
+                        "structure",
+                        f"tensor {name!r}: {de.dtype} {list(de.shape)} in DST but {sdt} "
+                        f"{list(se.shape)} in the source; re-run the conversion",
+                    )
                     continue
                 plan.setdefault(f"kept:{name}", ("kept", [name]))
                 continue
@@ -449,17 +498,23 @@ class _Verifier:
                 plan[f"layout:{prefix}"] = ("layout", sorted(names))
             stacked = {m for m in stacked if not any(split_name(n)[0] == m for ns in layers.values() for n in ns)}
         if stacked:
-            msg = ("pre-shuffled expert tensors " + ", ".join(sorted(stacked)[:2]) +
-                   (f" (+{len(stacked) - 2})" if len(stacked) > 2 else "") +
-                   (f" in layout {layouts[0].get('layout')}" if layouts else " without a layout contract") +
-                   ": decoding kernel layouts is not implemented in verify; verify the plain checkpoint before "
-                   "re-laying it out")
+            msg = (
+                "pre-shuffled expert tensors "
+                + ", ".join(sorted(stacked)[:2])
+                + (f" (+{len(stacked) - 2})" if len(stacked) > 2 else "")
+                + (f" in layout {layouts[0].get('layout')}" if layouts else " without a layout contract")
+                + ": decoding kernel layouts is not implemented in verify; verify the plain checkpoint before "
+                "re-laying it out"
+            )
             self.fail("structure", msg)
             for m in stacked:
                 used |= {n for n in dst_t if split_name(n)[0] == m}
         for name in sorted(set(dst_t) - used):
-            self.fail("structure", f"tensor {name!r} in {self.dst.shard_of[name]}: not derived from any source tensor "
-                                   "(swapped or extra); remove it or re-run the conversion")
+            self.fail(
+                "structure",
+                f"tensor {name!r} in {self.dst.shard_of[name]}: not derived from any source tensor "
+                "(swapped or extra); remove it or re-run the conversion",
+            )
         self.ok("structure", f"ok ({len(dst_t)} tensors)")
         return plan
 
@@ -476,7 +531,7 @@ class _Verifier:
         for name in dst_t:
             for prefix in lay["layers"]:
                 if name.startswith(prefix + "."):
-                    tag = name[len(prefix) + 1:].split(".", 1)[0]
+                    tag = name[len(prefix) + 1 :].split(".", 1)[0]
                     if parse_rank_tag(tag) is not None:
                         out.setdefault(prefix, []).append(name)
         self.layout = lay
@@ -500,7 +555,7 @@ class _Verifier:
         scheme, engine, tp, ep = lay["layers"][prefix], lay["engine"], int(lay["tp"]), int(lay["ep"])
         ranks: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for name, t in got.items():
-            tag, param = name[len(prefix) + 1:].split(".", 1)
+            tag, param = name[len(prefix) + 1 :].split(".", 1)
             ranks.setdefault(layout_jobs.parse_rank_tag(tag), {})[param] = t
         n_exp = 0
         while f"{prefix}.{n_exp}.gate_proj.weight" in self._src_shard:
@@ -508,8 +563,11 @@ class _Verifier:
         src_names = [f"{prefix}.{e}.{p}.weight" for e in range(n_exp) for p in ("gate_proj", "up_proj", "down_proj")]
         missing = [n for n in src_names if n not in self._src_shard]
         if not n_exp or missing:
-            self.fail("structure", f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
-                                   f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC")
+            self.fail(
+                "structure",
+                f"tensor {prefix}.*: DST lays out MoE experts that SRC does not have "
+                f"({missing[0] if missing else prefix + '.0.gate_proj.weight'} missing); pass the right SRC",
+            )
             return
         xs = {n: self._read_src(n) for n in src_names}
         members = [SimpleNamespace(name=n, shape=tuple(xs[n].shape), module=n[: -len(".weight")]) for n in src_names]
@@ -520,14 +578,18 @@ class _Verifier:
             if scheme == "nvfp4":
                 # activation scales: DST's own (vLLM keeps one per rank: the max over its experts)
                 if engine == "sglang":
-                    plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size,
-                                                         hidden_size=h_size, tp=tp, ep=ep)
+                    plain = trtllm.untransform_moe_layer(
+                        ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size, tp=tp, ep=ep
+                    )
                     a13, a2 = plain["w13_input_scale"].reshape(n_exp, -1), plain["w2_input_scale"].reshape(n_exp)
                 else:
                     per = n_exp // ep
-                    a13 = torch.stack([ranks[(0, e // per)]["w13_input_scale"].reshape(-1)[e % per]
-                                       for e in range(n_exp)]).reshape(n_exp, 1)
-                    a2 = torch.stack([ranks[(0, e // per)]["w2_input_scale"].reshape(-1)[e % per] for e in range(n_exp)])
+                    a13 = torch.stack(
+                        [ranks[(0, e // per)]["w13_input_scale"].reshape(-1)[e % per] for e in range(n_exp)]
+                    ).reshape(n_exp, 1)
+                    a2 = torch.stack(
+                        [ranks[(0, e // per)]["w2_input_scale"].reshape(-1)[e % per] for e in range(n_exp)]
+                    )
                 input_scales = {}
                 for e in range(n_exp):
                     input_scales[f"{prefix}.{e}.gate_proj"] = a13[e, 0].reshape(())
@@ -536,31 +598,48 @@ class _Verifier:
             opts = SimpleNamespace(input_mode="copied", allow_non_finite=True, device="cpu", recipe=nv_recipe)
             want = moe_layer_job(prefix, members, scheme, engine, tp, ep, opts, input_scales).fn(xs)
         except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
-            self.fail("structure", f"tensor {prefix}.*: the layout tensors cannot be re-made from SRC ({ex}); "
-                                   "re-run the conversion")
+            self.fail(
+                "structure",
+                f"tensor {prefix}.*: the layout tensors cannot be re-made from SRC ({ex}); re-run the conversion",
+            )
             return
         exact = True
         for name in sorted(set(want) | set(got)):
             a, b = got.get(name), want.get(name)
             if a is None or b is None:
                 exact = False
-                self.fail("structure", f"tensor {name!r}: " + ("missing from DST" if a is None else "not part of the layout")
-                          + f" ({lay.get('name')} for {engine}); re-run the conversion")
+                self.fail(
+                    "structure",
+                    f"tensor {name!r}: "
+                    + ("missing from DST" if a is None else "not part of the layout")
+                    + f" ({lay.get('name')} for {engine}); re-run the conversion",
+                )
             elif a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
                 exact = False
-                self.fail("structure", f"tensor {name!r}: {a.dtype} {list(a.shape)}, the layout gives {b.dtype} "
-                                       f"{list(b.shape)}; re-run the conversion")
+                self.fail(
+                    "structure",
+                    f"tensor {name!r}: {a.dtype} {list(a.shape)}, the layout gives {b.dtype} "
+                    f"{list(b.shape)}; re-run the conversion",
+                )
             else:
                 ab, bb = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
                 nd = int((ab != bb).sum())
                 if nd:
                     exact = False
-                    self.fail("values", f"tensor {name!r}: {nd} of {ab.numel()} bytes differ from SRC's experts "
-                                        f"quantized ({nv_recipe if scheme == 'nvfp4' else recipe}) and laid out again; "
-                                        "the tensor was modified or DST was converted from other weights — re-run the "
-                                        "conversion")
-        self.r.checks["layout"] = "FAILED" if not exact else self.r.checks.get(
-            "layout", f"ok ({lay.get('name')} for {engine}: SRC's experts laid out again equal DST byte for byte)")
+                    self.fail(
+                        "values",
+                        f"tensor {name!r}: {nd} of {ab.numel()} bytes differ from SRC's experts "
+                        f"quantized ({nv_recipe if scheme == 'nvfp4' else recipe}) and laid out again; "
+                        "the tensor was modified or DST was converted from other weights — re-run the "
+                        "conversion",
+                    )
+        self.r.checks["layout"] = (
+            "FAILED"
+            if not exact
+            else self.r.checks.get(
+                "layout", f"ok ({lay.get('name')} for {engine}: SRC's experts laid out again equal DST byte for byte)"
+            )
+        )
         if scheme == "bf16":
             if exact:
                 self.r.kept_identical += len(src_names)
@@ -568,24 +647,32 @@ class _Verifier:
         # figures: DST's weights and block scales through the exact inverse; NVFP4 global scales
         # from SRC's amax (DST's folded ones were compared above)
         try:
-            plain = trtllm.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size,
-                                                 tp=tp, ep=ep)
+            plain = trtllm.untransform_moe_layer(
+                ranks, scheme, engine, intermediate_size=i_size, hidden_size=h_size, tp=tp, ep=ep
+            )
         except (QConvertError, KeyError, IndexError, RuntimeError, ValueError) as ex:
-            self.fail("values", f"tensor {prefix}.*: the layout tensors cannot be decoded ({ex}); re-run the conversion")
+            self.fail(
+                "values", f"tensor {prefix}.*: the layout tensors cannot be decoded ({ex}); re-run the conversion"
+            )
             return
-        plain = {k: v for k, v in plain.items() if k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")}
+        plain = {
+            k: v for k, v in plain.items() if k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+        }
         if scheme == "nvfp4":
+
             def s2(*names):
                 g = np.max(np.array([self._source_amax(n[: -len(".weight")]) for n in names], dtype=np.float32))
                 return float(cpu_tensor_scalars(g, nv_recipe)[0])
+
             w13s = [s2(f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight") for e in range(n_exp)]
             plain["w13_weight_scale_2"] = torch.tensor([[v, v] for v in w13s], dtype=torch.float32)
-            plain["w2_weight_scale_2"] = torch.tensor([s2(f"{prefix}.{e}.down_proj.weight") for e in range(n_exp)],
-                                                      dtype=torch.float32)
+            plain["w2_weight_scale_2"] = torch.tensor(
+                [s2(f"{prefix}.{e}.down_proj.weight") for e in range(n_exp)], dtype=torch.float32
+            )
         per_expert = trtllm.unstack_hf_experts(plain, prefix)
         for n in src_names:
             mod = n[: -len(".weight")]
-            ts = {k[len(mod) + 1:]: v for k, v in per_expert.items() if k.startswith(mod + ".")}
+            ts = {k[len(mod) + 1 :]: v for k, v in per_expert.items() if k.startswith(mod + ".")}
             self._check_quantized(Module(mod, scheme, list(xs[n].shape), 0, {}, WEIGHT_SCALE), ts, xs[n], None)
             self.r.tensors[-1].exact = exact
 
@@ -607,8 +694,11 @@ class _Verifier:
         need = EXCLUSION_KEYS.get((det.scheme, det.dialect), ())
         for key in need:
             if config_where(key) not in lists:
-                self.fail("exclusions", f"{dst.root / 'config.json'}: quantization_config.{key} is missing; the "
-                                        f"{det.dialect} dialect keeps its exclusion list there — re-run the conversion")
+                self.fail(
+                    "exclusions",
+                    f"{dst.root / 'config.json'}: quantization_config.{key} is missing; the "
+                    f"{det.dialect} dialect keeps its exclusion list there — re-run the conversion",
+                )
         if not lists:
             entries: list[str] = []
         else:
@@ -616,8 +706,11 @@ class _Verifier:
             for where, lst in lists.items():
                 if set(lst) != set(entries):
                     diff = sorted(set(lst) ^ set(entries))
-                    self.fail("exclusions", f"{where} differs from {first_where} (e.g. {diff[0]!r}); "
-                                            "the copies of the exclusion list must agree — re-run the conversion")
+                    self.fail(
+                        "exclusions",
+                        f"{where} differs from {first_where} (e.g. {diff[0]!r}); "
+                        "the copies of the exclusion list must agree — re-run the conversion",
+                    )
         ms = matchers(det.scheme, det.dialect)
         # Linear modules and their formats; experts collapse onto the FusedMoE prefix.
         targets: dict[str, tuple[str, set[str], bool]] = {}
@@ -637,23 +730,32 @@ class _Verifier:
         bad = 0
         for prefix, (kind, fmts, moe) in sorted(targets.items()):
             if len(fmts) > 1:
-                self.fail("exclusions", f"tensor {prefix}.*: experts of one MoE layer are stored as {sorted(fmts)}; "
-                                        "a FusedMoE layer has one format — re-run the conversion")
+                self.fail(
+                    "exclusions",
+                    f"tensor {prefix}.*: experts of one MoE layer are stored as {sorted(fmts)}; "
+                    "a FusedMoE layer has one format — re-run the conversion",
+                )
                 continue
             quant = next(iter(fmts)) != "bf16"
             for who, excluded in ms:
                 hit = excluded(prefix, entries, moe)
                 if quant and hit:
                     bad += 1
-                    self.fail("exclusions", f"module {prefix!r} is quantized but the exclusion list excludes it for "
-                                            f"{who}, which would load it as BF16; remove the matching entry")
+                    self.fail(
+                        "exclusions",
+                        f"module {prefix!r} is quantized but the exclusion list excludes it for "
+                        f"{who}, which would load it as BF16; remove the matching entry",
+                    )
                 elif not quant and not hit:
                     if who in (SGLANG, SGLANG_MODELOPT) and kind in ("lm_head", "router"):
                         continue  # SGLang never quantizes these
                     bad += 1
-                    self.fail("exclusions", f"module {prefix!r} is stored in BF16 but the exclusion list does not "
-                                            f"exclude it for {who}, which would try to load it quantized; add "
-                                            f"{prefix!r} to the list")
+                    self.fail(
+                        "exclusions",
+                        f"module {prefix!r} is stored in BF16 but the exclusion list does not "
+                        f"exclude it for {who}, which would try to load it quantized; add "
+                        f"{prefix!r} to the list",
+                    )
         self.ok("exclusions", f"ok ({len(entries)} entries; {', '.join(w for w, _ in ms)} rules)")
 
     # -- manifest ---------------------------------------------------------------------------------
@@ -670,10 +772,14 @@ class _Verifier:
                 continue  # stored in the stacked layout tensors (reported by the structure check)
             want = (info or {}).get("format")
             if m is None:
-                self.fail("manifest", f"{where}: module {mod!r} is listed but DST has no such tensors; re-run the conversion")
+                self.fail(
+                    "manifest", f"{where}: module {mod!r} is listed but DST has no such tensors; re-run the conversion"
+                )
             elif want and m.format != want and not (want == "bf16" and m.format in ("bf16", "f16", "f32")):
-                self.fail("manifest", f"{where}: module {mod!r} is listed as {want} but stored as {m.format}; "
-                                      "re-run the conversion")
+                self.fail(
+                    "manifest",
+                    f"{where}: module {mod!r} is listed as {want} but stored as {m.format}; re-run the conversion",
+                )
         self.ok("manifest")
 
     def _check_hashes(self, out_sha: dict[str, str], src_sha: dict[str, str]):
@@ -692,8 +798,11 @@ class _Verifier:
             if fname not in want:
                 self.fail("checksums", f"{where}: no sha256 for shard {fname}; re-run the conversion")
             elif want[fname] != digest:
-                self.fail("checksums", f"{self.dst.root / fname}: sha256 differs from {MANIFEST_NAME}; the shard was "
-                                       "modified after conversion — re-run the conversion or restore it")
+                self.fail(
+                    "checksums",
+                    f"{self.dst.root / fname}: sha256 differs from {MANIFEST_NAME}; the shard was "
+                    "modified after conversion — re-run the conversion or restore it",
+                )
         src_want = (man.get("source") or {}).get("sha256") or {}
         n_src = sum(h.path.name in src_want for h in self.src.shards)
         note = (man.get("source") or {}).get("sha256_note")
@@ -705,36 +814,51 @@ class _Verifier:
         """Was DST converted from these SRC files? Decided by the source digests in the manifest;
         without them the report says what cannot be told."""
         man, r = self.dst.manifest, self.r
-        exact = ("it checks only that DST decodes to SRC within the error bounds, so other weights close to "
-                 "SRC (another fine-tune of the same model) may pass")
+        exact = (
+            "it checks only that DST decodes to SRC within the error bounds, so other weights close to "
+            "SRC (another fine-tune of the same model) may pass"
+        )
         if self.det.producer == "qconvert" and man and (man.get("recipe") in ALL_RECIPES):
-            exact = ("it checks that every quantized tensor is exactly what converting SRC gives, so it cannot tell "
-                     "DST's source from other weights that quantize to the same bytes")
+            exact = (
+                "it checks that every quantized tensor is exactly what converting SRC gives, so it cannot tell "
+                "DST's source from other weights that quantize to the same bytes"
+            )
         src_want = ((man or {}).get("source") or {}).get("sha256") or {}
         if not src_want:
-            why = (((man or {}).get("source") or {}).get("sha256_note") or "the manifest records none") if man \
+            why = (
+                (((man or {}).get("source") or {}).get("sha256_note") or "the manifest records none")
+                if man
                 else f"no {MANIFEST_NAME}"
+            )
             msg = f"no source digests ({why}): verify cannot tell whether DST was converted from SRC's files; {exact}"
             r.warnings.append(msg)
             self.ok("source", "not checked: no source digests")
             return
         where = self.dst.root / MANIFEST_NAME
-        differ = [(h, src_sha[h.path.name], src_want[h.path.name]) for h in self.src.shards
-                  if h.path.name in src_want and src_sha[h.path.name] != src_want[h.path.name]]
+        differ = [
+            (h, src_sha[h.path.name], src_want[h.path.name])
+            for h in self.src.shards
+            if h.path.name in src_want and src_sha[h.path.name] != src_want[h.path.name]
+        ]
         names = {h.path.name for h in self.src.shards}
         if differ:
             h, got, want = differ[0]
-            diag = (f"DST was converted from different weights than SRC: shard {h.path.name} sha256 {got} vs "
-                    f"{want} in {where}" + (f" ({len(differ)} of {len(src_want)} source shards differ)" if len(differ) > 1
-                                            else "") + "; pass the SRC DST was converted from")
+            diag = (
+                f"DST was converted from different weights than SRC: shard {h.path.name} sha256 {got} vs "
+                f"{want} in {where}"
+                + (f" ({len(differ)} of {len(src_want)} source shards differ)" if len(differ) > 1 else "")
+                + "; pass the SRC DST was converted from"
+            )
             r.diagnosis = diag
             r.failures.insert(0, diag)
             r.checks["source"] = "FAILED"
         elif set(src_want) != names:
-            r.warnings.append(f"SRC's shards ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}) are not "
-                              f"the ones named in {where} ({', '.join(sorted(src_want)[:3])}"
-                              f"{', ...' if len(src_want) > 3 else ''}), so their digests cannot be compared: verify "
-                              f"cannot tell whether DST was converted from SRC's files; {exact}")
+            r.warnings.append(
+                f"SRC's shards ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}) are not "
+                f"the ones named in {where} ({', '.join(sorted(src_want)[:3])}"
+                f"{', ...' if len(src_want) > 3 else ''}), so their digests cannot be compared: verify "
+                f"cannot tell whether DST was converted from SRC's files; {exact}"
+            )
             self.ok("source", "not checked: SRC's shard names differ from the manifest's")
         else:
             self.ok("source", f"ok ({len(names)} shards match the source digests in {MANIFEST_NAME})")
@@ -747,6 +871,7 @@ class _Verifier:
         src_shard = {n: h.path.name for h in self.src.shards for n in h.entries}
         src_shard.update({n: src_shard[v.source] for n, v in self._src_views.items()})
         from .convert.fp8_source import decoding_readers
+
         src_readers = decoding_readers(src_readers, src_shard, self.fp8)
         by_tensor: dict[str, str] = {}
         for key, (kind, srcs) in plan.items():
@@ -767,15 +892,24 @@ class _Verifier:
         enabled = self.progress if self.progress is not None else os.isatty(2)
         if enabled:
             from tqdm import tqdm
-            bar = tqdm(total=self.dst.total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="verify",
-                       leave=False, dynamic_ncols=True)
+
+            bar = tqdm(
+                total=self.dst.total_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                desc="verify",
+                leave=False,
+                dynamic_ncols=True,
+            )
         out_sha: dict[str, str] = {}
         # source shards the manifest has digests of: hashed on threads of their own meanwhile
         src_want = ((self.dst.manifest or {}).get("source") or {}).get("sha256") or {}
         stop = threading.Event()
         hashers = ThreadPoolExecutor(HASH_STREAMS, thread_name_prefix="qconvert-verify-sha")
-        src_sha = {h.path.name: hashers.submit(sha256_file, h.path, stop)
-                   for h in self.src.shards if h.path.name in src_want}
+        src_sha = {
+            h.path.name: hashers.submit(sha256_file, h.path, stop) for h in self.src.shards if h.path.name in src_want
+        }
         try:
             for h in self.dst.shards:
                 with ShardReader(h, hash_file=True, mapped=True) as rd:
@@ -795,15 +929,18 @@ class _Verifier:
                                 r.kept_identical += 1
                             else:
                                 self._kept_bad += 1
-                                self.fail("kept", f"tensor {e.name!r} in {h.path.name}: kept in BF16 but its bytes differ "
-                                                  "from the source; re-run the conversion")
+                                self.fail(
+                                    "kept",
+                                    f"tensor {e.name!r} in {h.path.name}: kept in BF16 but its bytes differ "
+                                    "from the source; re-run the conversion",
+                                )
                             continue
                         if kind == "layout":
                             got = pending.setdefault(key, {})
                             got[e.name] = t
                             if len(got) == len(srcs):
                                 del pending[key]
-                                self._check_layout_layer(key[len("layout:"):], got)
+                                self._check_layout_layer(key[len("layout:") :], got)
                             continue
                         got = pending.setdefault(key, {})
                         got[split_name(e.name)[1]] = t
@@ -826,8 +963,11 @@ class _Verifier:
         self.ok("values", f"ok ({len(r.tensors)} quantized tensors)")
         if self.fp8:
             ll = [t for t in r.tensors if t.lossless is not None]
-            self.ok("lossless", f"ok ({sum(t.lossless for t in ll)} of {len(ll)} tensors from FP8 weights decode "
-                                "exactly to the source's values; the others were requantized)")
+            self.ok(
+                "lossless",
+                f"ok ({sum(t.lossless for t in ll)} of {len(ll)} tensors from FP8 weights decode "
+                "exactly to the source's values; the others were requantized)",
+            )
         self._check_hashes(out_sha, src_digests)
 
     def _check_quantized(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str | None):
@@ -848,14 +988,19 @@ class _Verifier:
             sc = ts.get(sfx)
             sv = sc.view(torch.uint8)[row, blk].item() if sc is not None and sc.dim() == 2 else "?"
             res.ok = False
-            self.fail("values", f"tensor {m.name}.{sfx}: block [{row}, {blk}] (scale byte {sv}) decodes with error "
-                                f"{worst * BLOCK_BOUND[fmt]:.2f}x the block max (bound {BLOCK_BOUND[fmt]}); the scale or "
-                                f"elements are corrupt or belong to another tensor — re-run the conversion")
+            self.fail(
+                "values",
+                f"tensor {m.name}.{sfx}: block [{row}, {blk}] (scale byte {sv}) decodes with error "
+                f"{worst * BLOCK_BOUND[fmt]:.2f}x the block max (bound {BLOCK_BOUND[fmt]}); the scale or "
+                f"elements are corrupt or belong to another tensor — re-run the conversion",
+            )
         if fmt == "mxfp8" and recipe == MXFP8_RECIPE:
             from .convert.numerics.mxfp8 import mxfp8_quantize
+
             q_ref, s_ref = mxfp8_quantize(x)
             tinfo = ((self.dst.manifest or {}).get("tensors") or {}).get(m.name)
             from .convert.fp8_source import BYTES_KEPT, mxfp8_reference
+
             if self.fp8 and isinstance(tinfo, dict) and tinfo.get("source_path") in BYTES_KEPT:
                 w = f"{m.name}.weight"  # the conversion kept the power-of-two blocks' E4M3 bytes
                 mxfp8_reference(self.fp8, w, self._src_readers[self._src_shard[w]], q_ref, s_ref)
@@ -867,12 +1012,18 @@ class _Verifier:
                 res.ok = False
                 if len(bad_s):
                     rr, cc = bad_s[0].tolist()
-                    self.fail("values", f"tensor {m.name}.{m.scale_suffix}: [{rr}, {cc}] is {int(sc[rr, cc])}, RCEIL "
-                                        f"gives {int(s_ref[rr, cc])} ({len(bad_s)} scale bytes differ); re-run the conversion")
+                    self.fail(
+                        "values",
+                        f"tensor {m.name}.{m.scale_suffix}: [{rr}, {cc}] is {int(sc[rr, cc])}, RCEIL "
+                        f"gives {int(s_ref[rr, cc])} ({len(bad_s)} scale bytes differ); re-run the conversion",
+                    )
                 else:
                     rr, cc = bad_q[0].tolist()
-                    self.fail("values", f"tensor {m.name}.weight: element [{rr}, {cc}] differs from RCEIL quantization "
-                                        f"({len(bad_q)} elements differ); re-run the conversion")
+                    self.fail(
+                        "values",
+                        f"tensor {m.name}.weight: element [{rr}, {cc}] differs from RCEIL quantization "
+                        f"({len(bad_q)} elements differ); re-run the conversion",
+                    )
         if fmt == "nvfp4" and recipe in NVFP4_RECIPES:
             self._check_nvfp4_exact(m, ts, x, recipe, res)
         if self.fp8 and f"{m.name}.weight" in self.fp8.scales:
@@ -903,8 +1054,9 @@ class _Verifier:
                 self._amax[mod] = np.float32(float(t.float().abs().amax())) if t.numel() else np.float32(0)
         return self._amax[mod]
 
-    def _check_nvfp4_exact(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str,
-                           res: TensorResult):
+    def _check_nvfp4_exact(
+        self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str, res: TensorResult
+    ):
         """qconvert's NVFP4 is a function of the source: the global scale of the fused group's amax
         (q/k/v, gate/up share one), block scales and codes by the recorded recipe. Every byte must
         equal a fresh quantization: a global scale off in its lowest bit, or DST made from other
@@ -921,8 +1073,14 @@ class _Verifier:
             want = torch.tensor([encode_global_scale(g, recipe)], dtype=torch.float32)
         stored = ts.get(sfx)
         q = _nvfp4_codes(ts)
-        if stored is None or stored.dtype != torch.float32 or stored.numel() != 1 or q is None \
-                or q.shape != packed.shape or ts[WEIGHT_SCALE].shape != scale.shape:
+        if (
+            stored is None
+            or stored.dtype != torch.float32
+            or stored.numel() != 1
+            or q is None
+            or q.shape != packed.shape
+            or ts[WEIGHT_SCALE].shape != scale.shape
+        ):
             res.exact = False
             return  # the structure check reports it
         stored = stored.reshape(1)
@@ -939,19 +1097,28 @@ class _Verifier:
         group = f" of the group {', '.join(members)}" if len(members) > 1 else ""
         if bad_g:
             sv, wv = float(stored[0]), float(want[0])
-            self.fail("values", f"tensor {m.name}.{sfx}: {sv!r} (fp32 bits {int(stored.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}) "
-                                f"but the source's amax {float(g)!r}{group} gives {wv!r} "
-                                f"({int(want.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}); the global scale was modified or "
-                                "DST was converted from other weights — re-run the conversion")
+            self.fail(
+                "values",
+                f"tensor {m.name}.{sfx}: {sv!r} (fp32 bits {int(stored.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}) "
+                f"but the source's amax {float(g)!r}{group} gives {wv!r} "
+                f"({int(want.view(torch.int32)[0]) & 0xFFFFFFFF:#010x}); the global scale was modified or "
+                "DST was converted from other weights — re-run the conversion",
+            )
         elif len(bad_s):
             rr, cc = bad_s[0].tolist()
-            self.fail("values", f"tensor {m.name}.weight_scale: [{rr}, {cc}] is byte {int(ts[WEIGHT_SCALE].view(torch.uint8)[rr, cc])}, "
-                                f"the {recipe} recipe gives {int(scale.view(torch.uint8)[rr, cc])} ({len(bad_s)} block scales "
-                                "differ); re-run the conversion")
+            self.fail(
+                "values",
+                f"tensor {m.name}.weight_scale: [{rr}, {cc}] is byte {int(ts[WEIGHT_SCALE].view(torch.uint8)[rr, cc])}, "
+                f"the {recipe} recipe gives {int(scale.view(torch.uint8)[rr, cc])} ({len(bad_s)} block scales "
+                "differ); re-run the conversion",
+            )
         else:
             rr, cc = bad_q[0].tolist()
-            self.fail("values", f"tensor {m.name}.{WEIGHT_PACKED if WEIGHT_PACKED in ts else WEIGHT}: byte [{rr}, {cc}] "
-                                f"differs from {recipe} quantization ({len(bad_q)} bytes differ); re-run the conversion")
+            self.fail(
+                "values",
+                f"tensor {m.name}.{WEIGHT_PACKED if WEIGHT_PACKED in ts else WEIGHT}: byte [{rr}, {cc}] "
+                f"differs from {recipe} quantization ({len(bad_q)} bytes differ); re-run the conversion",
+            )
 
     def _finish_thresholds(self):
         r = self.r
@@ -962,13 +1129,19 @@ class _Verifier:
             if not all(map(_finite_or_perfect, (t.rel_err, t.sqnr_db, t.block_err))):
                 # a NaN compares false with any bound: every figure must be a number to pass
                 t.ok = False
-                self.fail("values", f"tensor {t.module}.weight: non-finite error figures (rel err {t.rel_err}, SQNR "
-                                    f"{t.sqnr_db} dB, block {t.block_err}): it or its source holds NaN/Inf or it "
-                                    "does not decode — re-run the conversion")
+                self.fail(
+                    "values",
+                    f"tensor {t.module}.weight: non-finite error figures (rel err {t.rel_err}, SQNR "
+                    f"{t.sqnr_db} dB, block {t.block_err}): it or its source holds NaN/Inf or it "
+                    "does not decode — re-run the conversion",
+                )
             elif not t.rel_err <= lim:
                 t.ok = False
-                self.fail("values", f"tensor {t.module}.weight: relative error {t.rel_err:.4f} exceeds --max-rel-err "
-                                    f"{lim}; it does not decode to its source (corrupt or swapped) — re-run the conversion")
+                self.fail(
+                    "values",
+                    f"tensor {t.module}.weight: relative error {t.rel_err:.4f} exceeds --max-rel-err "
+                    f"{lim}; it does not decode to its source (corrupt or swapped) — re-run the conversion",
+                )
 
 
 #: Default bound on the engine's mean next-token KL to the BF16 source, per scheme: several times
@@ -977,9 +1150,15 @@ class _Verifier:
 MAX_ENGINE_KL = {"mxfp8": 0.1, "nvfp4": 0.55}
 
 
-def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool | None = False,
-           log: Callable[[str], None] | None = None, engine: str | None = None,
-           max_kl: float | None = None) -> VerifyReport:
+def verify(
+    src: str,
+    dst: str,
+    max_rel_err: float | None = None,
+    progress: bool | None = False,
+    log: Callable[[str], None] | None = None,
+    engine: str | None = None,
+    max_kl: float | None = None,
+) -> VerifyReport:
     """Verify checkpoint ``dst`` against its BF16 source ``src``. Never raises for a failed check:
     failures are in ``report.failures`` (``report.ok`` is False)."""
     rep = _verify_layout(src, dst, max_rel_err, progress, log)
@@ -995,19 +1174,27 @@ def verify(src: str, dst: str, max_rel_err: float | None = None, progress: bool 
             lim = max_kl if max_kl is not None else MAX_ENGINE_KL.get(rep.scheme)
             kl = rep.engine.get("mean_kl")
             figs = {k: rep.engine.get(k) for k in ("mean_kl", "max_kl", "top1_agreement")}
-            bad = {k: v for k, v in figs.items()
-                   if (v is None and k == "mean_kl") or (v is not None and not math.isfinite(v))}
+            bad = {
+                k: v
+                for k, v in figs.items()
+                if (v is None and k == "mean_kl") or (v is not None and not math.isfinite(v))
+            }
             if bad:  # NaN compares false with any bound: a figure that is not a number fails
                 nf = rep.engine.get("nonfinite_positions")
-                rep.failures.append("vLLM: " + ", ".join(f"{k} {v}" for k, v in bad.items()) +
-                                    (f" ({nf} of {rep.engine.get('positions')} positions have non-finite logprobs)"
-                                     if nf else "") + "; DST does not produce valid next-token distributions in the "
-                                    "engine (garbage or non-finite outputs) — check the exclusion list (tied lm_head?) and scales")
+                rep.failures.append(
+                    "vLLM: "
+                    + ", ".join(f"{k} {v}" for k, v in bad.items())
+                    + (f" ({nf} of {rep.engine.get('positions')} positions have non-finite logprobs)" if nf else "")
+                    + "; DST does not produce valid next-token distributions in the "
+                    "engine (garbage or non-finite outputs) — check the exclusion list (tied lm_head?) and scales"
+                )
                 rep.checks["engine"] = "FAILED"
             elif lim is not None and not kl <= lim:
-                rep.failures.append(f"vLLM: mean next-token KL {kl:.4f} to the source exceeds {lim} (top-1 agreement "
-                                    f"{rep.engine.get('top1_agreement', float('nan')):.3f}); the checkpoint runs but "
-                                    "does not behave like its source — check the exclusion list and scales, or raise --max-kl")
+                rep.failures.append(
+                    f"vLLM: mean next-token KL {kl:.4f} to the source exceeds {lim} (top-1 agreement "
+                    f"{rep.engine.get('top1_agreement', float('nan')):.3f}); the checkpoint runs but "
+                    "does not behave like its source — check the exclusion list and scales, or raise --max-kl"
+                )
                 rep.checks["engine"] = "FAILED"
             else:
                 rep.checks["engine"] = "ok"
@@ -1040,8 +1227,10 @@ def _verify_layout(src, dst, max_rel_err, progress, log) -> VerifyReport | None:
             unshuffle_checkpoint(dst, plain)
         except _QE:
             # not invertible (scalars the engine folds): the verifier re-lays out SRC and compares
-            (log or (lambda s: None))(f"layout {layout.get('name')} for {layout.get('engine')} is not "
-                                      "invertible bit-exactly here: comparing DST with SRC's experts laid out again")
+            (log or (lambda s: None))(
+                f"layout {layout.get('name')} for {layout.get('engine')} is not "
+                "invertible bit-exactly here: comparing DST with SRC's experts laid out again"
+            )
             return None
         rep = _Verifier(src, str(plain), max_rel_err, progress, log or (lambda s: None)).run()
     rep.dst = str(dst)
@@ -1062,12 +1251,20 @@ def engine_compare(src: str, dst: str, engine: str, log: Callable[[str], None]) 
         res = compare_in_vllm(src, dst, VERIFY_PROMPTS, 8)
     except QConvertError as e:  # the first line names the worker's real error (vllm_compare.run_in_vllm)
         return {"available": True, "error": f"vLLM comparison failed: {str(e).splitlines()[0]}"}
-    keep = ("top1_agreement", "mean_kl", "max_kl", "positions", "generation_agreement", "max_abs_logprob_diff",
-            "nonfinite_positions")
+    keep = (
+        "top1_agreement",
+        "mean_kl",
+        "max_kl",
+        "positions",
+        "generation_agreement",
+        "max_abs_logprob_diff",
+        "nonfinite_positions",
+    )
     return {"available": True, **{k: res[k] for k in keep if k in res}}
 
 
 # ---- text summary -------------------------------------------------------------------------------
+
 
 def format_report(r: VerifyReport, worst: int = 5) -> str:
     lines = [f"verify: {r.src} -> {r.dst} ({r.scheme}, {r.dialect} dialect)"]
@@ -1079,25 +1276,33 @@ def format_report(r: VerifyReport, worst: int = 5) -> str:
         rels = [t.rel_err for t in r.tensors]
         exact = [t.exact for t in r.tensors if t.exact is not None]
         sq = [t.sqnr_db for t in r.tensors]
-        lines.append(f"  quantized  : {len(r.tensors)} tensors, rel err mean {sum(rels) / len(rels):.4f} max "
-                     f"{max(rels, key=_nan_last):.4f}, SQNR min {-max((-v for v in sq), key=_nan_last):.1f} dB"
-                     + (f"; bytes equal a fresh quantization {sum(exact)}/{len(exact)}" if exact else ""))
+        lines.append(
+            f"  quantized  : {len(r.tensors)} tensors, rel err mean {sum(rels) / len(rels):.4f} max "
+            f"{max(rels, key=_nan_last):.4f}, SQNR min {-max((-v for v in sq), key=_nan_last):.1f} dB"
+            + (f"; bytes equal a fresh quantization {sum(exact)}/{len(exact)}" if exact else "")
+        )
     lines.append(f"  kept BF16  : {r.kept_identical} tensors byte-identical to the source")
     if r.engine:
         if r.engine.get("available") and "top1_agreement" in r.engine:
-            lines.append(f"  vLLM       : top-1 agreement {r.engine['top1_agreement']:.3f}, mean KL {r.engine['mean_kl']:.4g} "
-                         f"over {r.engine.get('positions')} positions")
+            lines.append(
+                f"  vLLM       : top-1 agreement {r.engine['top1_agreement']:.3f}, mean KL {r.engine['mean_kl']:.4g} "
+                f"over {r.engine.get('positions')} positions"
+            )
         elif not r.engine.get("available"):
             lines.append(f"  vLLM       : {r.engine['message']}")
     g = r.groups()
     if g:
         lines.append("  per group (rel err mean / max, min SQNR):")
         for name, d in g.items():
-            lines.append(f"    {name:<50} {d['format']:<6} x{d['count']:<5} {d['mean_rel_err']:.4f} / {d['max_rel_err']:.4f}  "
-                         f"{d['min_sqnr_db']:.1f} dB")
+            lines.append(
+                f"    {name:<50} {d['format']:<6} x{d['count']:<5} {d['mean_rel_err']:.4f} / {d['max_rel_err']:.4f}  "
+                f"{d['min_sqnr_db']:.1f} dB"
+            )
         lines.append("  worst tensors:")
         for t in r.worst(worst):
-            lines.append(f"    {t.module:<50} rel err {t.rel_err:.4f}  SQNR {t.sqnr_db:.1f} dB" + ("" if t.ok else "  FAILED"))
+            lines.append(
+                f"    {t.module:<50} rel err {t.rel_err:.4f}  SQNR {t.sqnr_db:.1f} dB" + ("" if t.ok else "  FAILED")
+            )
     for w in r.warnings:
         lines.append(f"  warning: {w}")
     if r.ok:
@@ -1106,8 +1311,10 @@ def format_report(r: VerifyReport, worst: int = 5) -> str:
         rest = [f for f in r.failures if f != r.diagnosis]
         lines.append(f"FAILED: {r.diagnosis}")
         if rest:
-            lines.append(f"  {len(rest)} further problem{'s' if len(rest) != 1 else ''}, expected from that cause "
-                         f"(first {min(5, len(rest))}; all in --json):")
+            lines.append(
+                f"  {len(rest)} further problem{'s' if len(rest) != 1 else ''}, expected from that cause "
+                f"(first {min(5, len(rest))}; all in --json):"
+            )
             lines += [f"  - {f}" for f in rest[:5]]
     else:
         lines.append(f"FAILED ({len(r.failures)} problem{'s' if len(r.failures) != 1 else ''}):")

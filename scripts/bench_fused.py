@@ -52,8 +52,9 @@ def make_fused(src: Path, dst: Path, transposed: bool) -> None:
             out[n] = t.pop(n)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts."
-        gu = torch.stack([torch.cat([t.pop(f"{p}{x}.gate_proj.weight"), t.pop(f"{p}{x}.up_proj.weight")])
-                          for x in range(e)])
+        gu = torch.stack(
+            [torch.cat([t.pop(f"{p}{x}.gate_proj.weight"), t.pop(f"{p}{x}.up_proj.weight")]) for x in range(e)]
+        )
         dn = torch.stack([t.pop(f"{p}{x}.down_proj.weight") for x in range(e)])
         if transposed:
             gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
@@ -70,9 +71,15 @@ def run(src: Path, dst: Path, scheme: str) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one conversion."""
     if dst.exists():
         shutil.rmtree(dst)
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False, fsync=False,
-                          source_checksums=False, output_checksums=False,
-                          **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
+    opts = ConvertOptions(
+        scheme=scheme,
+        plan=PlanOptions(scheme=scheme),
+        progress=False,
+        fsync=False,
+        source_checksums=False,
+        output_checksums=False,
+        **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}),
+    )
     t0, c0 = time.perf_counter(), _cpu()
     convert(str(src), dst, opts=opts)
     return time.perf_counter() - t0, _cpu() - c0
@@ -95,19 +102,24 @@ def main() -> int:
             w, cpu = run(d, work / f"bench-out-{name}", a.scheme)
             t.append(w)
             c.append(cpu)
-        print(f"round {k + 1}: split {split_t[-1]:.2f} s ({split_c[-1]:.1f} CPU-s), fused {fused_t[-1]:.2f} s "
-              f"({fused_c[-1]:.1f} CPU-s), wall ratio {fused_t[-1] / split_t[-1]:.2f}, "
-              f"CPU ratio {fused_c[-1] / split_c[-1]:.2f}")
+        print(
+            f"round {k + 1}: split {split_t[-1]:.2f} s ({split_c[-1]:.1f} CPU-s), fused {fused_t[-1]:.2f} s "
+            f"({fused_c[-1]:.1f} CPU-s), wall ratio {fused_t[-1] / split_t[-1]:.2f}, "
+            f"CPU ratio {fused_c[-1] / split_c[-1]:.2f}"
+        )
     ta, tb = {}, {}
     for d, acc in ((work / "bench-out-split", ta), (work / "bench-out-fused", tb)):
         for f in sorted(d.glob("*.safetensors")):
             acc.update(load_file(f))
     same = ta.keys() == tb.keys() and all(
-        torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)) for n in ta)
+        torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)) for n in ta
+    )
     for what, f_, s_ in (("wall", fused_t, split_t), ("CPU", fused_c, split_c)):
         ratios = [f / s for f, s in zip(f_, s_)]
-        print(f"{a.scheme}{' transposed' if a.transposed else ''}: fused / split {what} time median "
-              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) over {a.repeat} rounds")
+        print(
+            f"{a.scheme}{' transposed' if a.transposed else ''}: fused / split {what} time median "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) over {a.repeat} rounds"
+        )
     print(f"same output tensors: {same}")
     for d in (fused, work / "bench-out-split", work / "bench-out-fused"):
         shutil.rmtree(d, ignore_errors=True)

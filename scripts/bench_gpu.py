@@ -107,10 +107,12 @@ def quantize_step(results, copy_bw):
     nv_plain = torch.compile(nv.nvfp4_quantize_blocks, dynamic=False)
     mx_b, nv_b = 2 * n + n + n // 32, 2 * n + n // 2 + n // 16
     from qconvert.convert.numerics import cuda_kernels as ck
+
     tk = ck.available(DEV)
 
     def nv_with_amax(x, recipe):  # the pipeline's whole NVFP4 step: global amax pass, then the kernel
         from qconvert.convert.kernels import abs_max as _abs_max
+
         return nv.nvfp4_quantize(x, global_amax=_abs_max(x).float(), recipe=recipe, blocks_fn=ck.nvfp4_blocks)
 
     comp = "compile (QCONVERT_CUDA_QUANTIZER=compile)"
@@ -120,20 +122,52 @@ def quantize_step(results, copy_bw):
         ("mxfp8", trit, (lambda x: mxfp8_quantize(x, blocks_fn=ck.mxfp8_blocks)) if tk else None, mx_b),
         ("mxfp8", comp, (lambda x: mxfp8_quantize(x, blocks_fn=mx_c)) if mx_c else None, mx_b),
         ("nvfp4 te", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga), nv_b),
-        ("nvfp4 te", trit, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=ck.nvfp4_blocks)) if tk else None, nv_b),
-        ("nvfp4 te", "triton + its global amax pass (input bytes counted once)",
-         (lambda x: nv_with_amax(x, "te")) if tk else None, nv_b),
+        (
+            "nvfp4 te",
+            trit,
+            (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=ck.nvfp4_blocks)) if tk else None,
+            nv_b,
+        ),
+        (
+            "nvfp4 te",
+            "triton + its global amax pass (input bytes counted once)",
+            (lambda x: nv_with_amax(x, "te")) if tk else None,
+            nv_b,
+        ),
         ("nvfp4 te", comp, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_c)) if nv_c else None, nv_b),
-        ("nvfp4 te", "compile, default Inductor division", lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_plain), nv_b),
+        (
+            "nvfp4 te",
+            "compile, default Inductor division",
+            lambda x: nv.nvfp4_quantize(x, global_amax=ga, blocks_fn=nv_plain),
+            nv_b,
+        ),
         ("nvfp4 modelopt", "eager", lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt"), nv_b),
-        ("nvfp4 modelopt", trit, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=ck.nvfp4_blocks)) if tk else None, nv_b),
-        ("nvfp4 modelopt", comp, (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=nv_c)) if nv_c else None, nv_b),
+        (
+            "nvfp4 modelopt",
+            trit,
+            (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=ck.nvfp4_blocks))
+            if tk
+            else None,
+            nv_b,
+        ),
+        (
+            "nvfp4 modelopt",
+            comp,
+            (lambda x: nv.nvfp4_quantize(x, global_amax=ga, recipe="modelopt", blocks_fn=nv_c)) if nv_c else None,
+            nv_b,
+        ),
     ]
     rows = []
     eager = {}
     for scheme, mode, fn, nbytes in variants:
         if fn is None:
-            rows.append({"scheme": scheme, "mode": mode, "error": "not available here (Triton, or Inductor's IEEE division switch)"})
+            rows.append(
+                {
+                    "scheme": scheme,
+                    "mode": mode,
+                    "error": "not available here (Triton, or Inductor's IEEE division switch)",
+                }
+            )
             continue
         t0 = time.time()
         try:
@@ -150,9 +184,18 @@ def quantize_step(results, copy_bw):
         same = None if "amax" in mode else all(_same(o1, o2) for o1, o2 in zip(eager[scheme], outs))
         ms = cuda_ms(lambda: (fn(w13), fn(w2)))
         bw = nbytes / (ms / 1e3)
-        rows.append({"scheme": scheme, "mode": mode, "ms_per_layer": round(ms, 3), "x48_s": round(ms * 48 / 1e3, 3),
-                     "GBps": round(bw / 1e9, 1), "fraction_of_copy": round(bw / copy_bw, 3),
-                     "bit_identical_to_eager": same, "first_call_s": round(first_s, 1)})
+        rows.append(
+            {
+                "scheme": scheme,
+                "mode": mode,
+                "ms_per_layer": round(ms, 3),
+                "x48_s": round(ms * 48 / 1e3, 3),
+                "GBps": round(bw / 1e9, 1),
+                "fraction_of_copy": round(bw / copy_bw, 3),
+                "bit_identical_to_eager": same,
+                "first_call_s": round(first_s, 1),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     results["quantize"] = rows
     del w13, w2, eager
@@ -167,17 +210,27 @@ def quantize_step(results, copy_bw):
     # NaN inputs: code 7 / E4M3 NaN with an unspecified sign (nvfp4.py docstring), and CUDA
     # arithmetic returns a canonical NaN where x86 keeps the operand's sign, so CUDA-vs-CPU is
     # counted separately for inputs with and without NaN/Inf.
-    checks = {"cases": 0, "compiled_vs_eager_mismatch": 0, "cuda_vs_cpu_mismatch_finite_input": 0,
-              "cuda_vs_cpu_mismatch_nan_inf_input": 0, "triton_vs_eager_mismatch_finite_input": 0,
-              "triton_vs_eager_mismatch_nan_inf_input": 0, "triton_vs_cpu_mismatch_finite_input": 0,
-              "triton_vs_cpu_mismatch_nan_inf_input": 0, "first": []}
+    checks = {
+        "cases": 0,
+        "compiled_vs_eager_mismatch": 0,
+        "cuda_vs_cpu_mismatch_finite_input": 0,
+        "cuda_vs_cpu_mismatch_nan_inf_input": 0,
+        "triton_vs_eager_mismatch_finite_input": 0,
+        "triton_vs_eager_mismatch_nan_inf_input": 0,
+        "triton_vs_cpu_mismatch_finite_input": 0,
+        "triton_vs_cpu_mismatch_nan_inf_input": 0,
+        "first": [],
+    }
     for x in cpu_inputs:
         finite = x.clone()
         finite[~torch.isfinite(finite)] = 0
         for kind, src in (("nan_inf_input", x), ("finite_input", finite)):
             xc = src.to(DEV)
-            cases = [("mxfp8", None, None)] + [(r, None, None) for r in ("te", "modelopt")] + [
-                (r, gsc, None) for r in ("te", "modelopt") for gsc in [2.0 ** e for e in range(-140, 130, 9)] + [0.0]]
+            cases = (
+                [("mxfp8", None, None)]
+                + [(r, None, None) for r in ("te", "modelopt")]
+                + [(r, gsc, None) for r in ("te", "modelopt") for gsc in [2.0**e for e in range(-140, 130, 9)] + [0.0]]
+            )
             for recipe, gsc, _ in cases:
                 checks["cases"] += 1
                 if recipe == "mxfp8":
@@ -188,7 +241,11 @@ def quantize_step(results, copy_bw):
                 else:
                     cpu = nv.nvfp4_quantize(src, global_amax=gsc, recipe=recipe)
                     eg = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe)
-                    cp = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=nv_c) if nv_c is not None else eg
+                    cp = (
+                        nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=nv_c)
+                        if nv_c is not None
+                        else eg
+                    )
                     tr = nv.nvfp4_quantize(xc, global_amax=gsc, recipe=recipe, blocks_fn=ck.nvfp4_blocks) if tk else eg
                 if not _same(eg, cp):
                     checks["compiled_vs_eager_mismatch"] += 1
@@ -219,6 +276,7 @@ def _manifest_sha(dst: Path):
         return None
     if not got:
         from qconvert.convert.safetensors_io import sha256_file
+
         got = {p.name: sha256_file(p) for p in sorted(dst.glob("*.safetensors"))}
     return got
 
@@ -231,8 +289,18 @@ def conversion(results, a, save):
     work.mkdir(parents=True)
     src = work / "synth"
     t0 = time.time()
-    subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), str(src), "--layers", str(a.layers),
-                    "--shard-gb", str(a.shard_gb)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "make_synthetic.py"),
+            str(src),
+            "--layers",
+            str(a.layers),
+            "--shard-gb",
+            str(a.shard_gb),
+        ],
+        check=True,
+    )
     results["synthetic_make_s"] = round(time.time() - t0, 1)
     sizes_in = bc._shard_sizes(src)
     rows = []
@@ -256,14 +324,27 @@ def conversion(results, a, save):
             sha = _manifest_sha(dst)
             ref_sha = ref_sha or sha
             shutil.rmtree(dst, ignore_errors=True)
-            f = bc.run_measured(bc.cmd_floor(src, work / "out-floor", out_sizes, False), log=work / "log.txt") if out_sizes else None
+            f = (
+                bc.run_measured(bc.cmd_floor(src, work / "out-floor", out_sizes, False), log=work / "log.txt")
+                if out_sizes
+                else None
+            )
             shutil.rmtree(work / "out-floor", ignore_errors=True)
-            row = {"scheme": scheme, "device": device, "mode": mode, "options": variant, "wall": round(m["wall"], 2), "rc": m["rc"],
-                   "cpu_s": round(m["cpu"], 1), "rss_GiB": round(m["rss"] / 2**30, 2), "bytes_in": sum(sizes_in.values()),
-                   "bytes_out": sum(out_sizes.values()),
-                   "floor_wall": round(f["wall"], 2) if f else None,
-                   "ratio": round(m["wall"] / f["wall"], 2) if f else None,
-                   "same_bytes_as_first": (sha == ref_sha) if sha else None}
+            row = {
+                "scheme": scheme,
+                "device": device,
+                "mode": mode,
+                "options": variant,
+                "wall": round(m["wall"], 2),
+                "rc": m["rc"],
+                "cpu_s": round(m["cpu"], 1),
+                "rss_GiB": round(m["rss"] / 2**30, 2),
+                "bytes_in": sum(sizes_in.values()),
+                "bytes_out": sum(out_sizes.values()),
+                "floor_wall": round(f["wall"], 2) if f else None,
+                "ratio": round(m["wall"] / f["wall"], 2) if f else None,
+                "same_bytes_as_first": (sha == ref_sha) if sha else None,
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
             save()
@@ -275,25 +356,41 @@ def conversion(results, a, save):
 
 
 def table(res) -> str:
-    L = [f"### CUDA, {res['date']}", "", f"Machine: {res['machine']}.", "",
-         f"Device-to-device copy (the ceiling): {res['copy_GBps']:.0f} GB/s read + written.", "",
-         "| scheme | mode | ms per MoE layer | x48 layers | GB/s read+written | fraction of copy | target | bit-identical to eager |",
-         "|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"### CUDA, {res['date']}",
+        "",
+        f"Machine: {res['machine']}.",
+        "",
+        f"Device-to-device copy (the ceiling): {res['copy_GBps']:.0f} GB/s read + written.",
+        "",
+        "| scheme | mode | ms per MoE layer | x48 layers | GB/s read+written | fraction of copy | target | bit-identical to eager |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res.get("quantize", []):
         if "error" in r:
             L.append(f"| {r['scheme']} | {r['mode']} | - | - | - | - | >= 0.70 | {r['error']} |")
         else:
-            L.append(f"| {r['scheme']} | {r['mode']} | {r['ms_per_layer']:.2f} | {r['x48_s']:.2f} s | {r['GBps']:.0f} | "
-                     f"{r['fraction_of_copy']:.3f} | >= 0.70 | {'n/a' if r['bit_identical_to_eager'] is None else r['bit_identical_to_eager']} |")
+            L.append(
+                f"| {r['scheme']} | {r['mode']} | {r['ms_per_layer']:.2f} | {r['x48_s']:.2f} s | {r['GBps']:.0f} | "
+                f"{r['fraction_of_copy']:.3f} | >= 0.70 | {'n/a' if r['bit_identical_to_eager'] is None else r['bit_identical_to_eager']} |"
+            )
     if res.get("exhaustive"):
-        L += ["", f"Exhaustive check (every BF16 pattern x global scales, both NVFP4 recipes and MXFP8): {res['exhaustive']}"]
+        L += [
+            "",
+            f"Exhaustive check (every BF16 pattern x global scales, both NVFP4 recipes and MXFP8): {res['exhaustive']}",
+        ]
     if res.get("conversion"):
-        L += ["", "| scheme | device | mode | qconvert options | input | output | floor wall | qconvert wall | qconvert / floor | CPU s | peak RSS | same bytes as first row | rc |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        L += [
+            "",
+            "| scheme | device | mode | qconvert options | input | output | floor wall | qconvert wall | qconvert / floor | CPU s | peak RSS | same bytes as first row | rc |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["conversion"]:
-            L.append(f"| {r['scheme']} | {r['device']} | {r['mode']} | {r.get('options', 'default')} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
-                     f"{r['floor_wall']} s | {r['wall']} s | {r['ratio']} | {r['cpu_s']} | {r['rss_GiB']} GiB | "
-                     f"{r['same_bytes_as_first']} | {r['rc']} |")
+            L.append(
+                f"| {r['scheme']} | {r['device']} | {r['mode']} | {r.get('options', 'default')} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | "
+                f"{r['floor_wall']} s | {r['wall']} s | {r['ratio']} | {r['cpu_s']} | {r['rss_GiB']} GiB | "
+                f"{r['same_bytes_as_first']} | {r['rc']} |"
+            )
     L += ["", "Reproduce: `python " + " ".join(["scripts/bench_gpu.py"] + res["argv"][1:]) + "`"]
     return "\n".join(L)
 
@@ -310,14 +407,22 @@ def main():
     ap.add_argument("--skip-conversion", action="store_true")
     ap.add_argument("--skip-quantize", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="conversions: skip the eager torch-chain CUDA core")
-    ap.add_argument("--variants", default="default", help="comma list of qconvert option sets per conversion: "
-                    "default, no-source-checksums, no-checksums (as bench_convert.py --variants)")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma list of qconvert option sets per conversion: "
+        "default, no-source-checksums, no-checksums (as bench_convert.py --variants)",
+    )
     a = ap.parse_args()
     import datetime
     import platform
-    res = {"date": datetime.date.today().isoformat(), "argv": sys.argv,
-           "machine": f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'no GPU (logic test)'}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                      f"Python {platform.python_version()}"}
+
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "argv": sys.argv,
+        "machine": f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'no GPU (logic test)'}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"Python {platform.python_version()}",
+    }
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
     def save():  # after every phase, so that a run cut short still leaves its numbers

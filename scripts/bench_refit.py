@@ -46,26 +46,36 @@ LAYERS = 48
 
 
 def table(d: dict, source: str) -> str:
-    L = [f"### Refit: layout processing vs pre-shuffled copy ({d.get('device', '?')}, torch {d.get('torch', '?')})", "",
-         "Per MoE layer (128 experts, Qwen3-30B-A3B shapes), vLLM parameter layout, rank 0; medians of CUDA-event timings.", "",
-         "| scheme | TP | bytes / layer | floor: copy pre-shuffled d2d | pinned h2d copy | engine per-expert FlashInfer | qconvert batched gathers | engine / floor (d2d) | saving per refit, 48 layers |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"### Refit: layout processing vs pre-shuffled copy ({d.get('device', '?')}, torch {d.get('torch', '?')})",
+        "",
+        "Per MoE layer (128 experts, Qwen3-30B-A3B shapes), vLLM parameter layout, rank 0; medians of CUDA-event timings.",
+        "",
+        "| scheme | TP | bytes / layer | floor: copy pre-shuffled d2d | pinned h2d copy | engine per-expert FlashInfer | qconvert batched gathers | engine / floor (d2d) | saving per refit, 48 layers |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in d.get("timing", {}).items():
         scheme, _, tp, _ = key.split("_")
         eng = r.get("engine_per_expert_flashinfer_ms")
         d2d = r["copy_d2d_ms"]
         saving = f"{(eng - d2d) * LAYERS / 1e3:.2f} s" if eng is not None else "-"
         ratio = f"{eng / d2d:.0f}x" if eng is not None else "-"
-        L.append(f"| {scheme} | {tp[2:]} | {r['bytes_per_layer'] / 1e6:.0f} MB | {d2d:.3f} ms | {r['copy_h2d_pinned_ms']:.2f} ms | "
-                 f"{eng if eng is not None else '-'} ms | {r['ours_batched_gather_ms']:.2f} ms | {ratio} | {saving} |")
-    L += ["", f"Source: {source}. Reproduce on a CUDA machine with FlashInfer: "
-          "`python scripts/bench_refit.py --run --out DIR` (runs `scripts/gpu_layout_check.py --out DIR`)."]
+        L.append(
+            f"| {scheme} | {tp[2:]} | {r['bytes_per_layer'] / 1e6:.0f} MB | {d2d:.3f} ms | {r['copy_h2d_pinned_ms']:.2f} ms | "
+            f"{eng if eng is not None else '-'} ms | {r['ours_batched_gather_ms']:.2f} ms | {ratio} | {saving} |"
+        )
+    L += [
+        "",
+        f"Source: {source}. Reproduce on a CUDA machine with FlashInfer: "
+        "`python scripts/bench_refit.py --run --out DIR` (runs `scripts/gpu_layout_check.py --out DIR`).",
+    ]
     return "\n".join(L)
 
 
 def _sparse_reference(dst: Path, layers: int) -> Path:
     """config.json and one safetensors file whose data is a hole: the Refitter reads headers only."""
     import struct
+
     sys.path.insert(0, str(HERE))
     from make_synthetic import qwen3_30b_a3b_config, tensor_specs
 
@@ -88,6 +98,7 @@ def _sparse_reference(dst: Path, layers: int) -> Path:
 
 def _weights(layers: int, device: str) -> list:
     import torch
+
     sys.path.insert(0, str(HERE))
     from make_synthetic import tensor_specs
 
@@ -113,6 +124,7 @@ def _floor(r, torch, repeats: int) -> float:
     """Seconds to copy the area's bytes device-to-host into the Refitter's registered mapping of
     the slot it wrote last (file by file, on one stream): the floor of the same job."""
     from qconvert.formats import staging as fs
+
     commit = fs.read_commit(r.area, r.spec)
     slot = fs.next_slot(commit) if commit else 0  # the other slot: mapped, registered, not read now
     big = max(f.size for f in r.spec.files)
@@ -123,7 +135,7 @@ def _floor(r, torch, repeats: int) -> float:
         torch.cuda.synchronize() if r._dev.type == "cuda" else None
         t0 = time.perf_counter()
         for d in dsts:
-            d.copy_(src[:d.numel()], non_blocking=True)
+            d.copy_(src[: d.numel()], non_blocking=True)
         torch.cuda.synchronize() if r._dev.type == "cuda" else None
         best.append(time.perf_counter() - t0)
     return sorted(best)[len(best) // 2]
@@ -141,8 +153,12 @@ def stage_bench(a) -> dict:
     device = a.device
     work = Path(a.work)
     root = Path(a.shm_root)
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "cpu_count": os.cpu_count(), "runs": []}
+    results = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "runs": [],
+    }
     for layers in a.layers:
         ref = _sparse_reference(work / f"ref{layers}", layers)
         weights = _weights(layers, device)
@@ -169,11 +185,21 @@ def stage_bench(a) -> dict:
                 r.close()
                 shutil.rmtree(root / name, ignore_errors=True)
             med = statistics.median(later)
-            run = {"layers": layers, "variant": v, "bf16_bytes": bf16, "out_bytes": out_bytes, "files": len(r.spec.files),
-                   "first_s": first, "construct_s": t_make, "later_s": later, "later_median_s": med,
-                   "stage_s": statistics.median(p["stage"] for p in parts),
-                   "commit_s": statistics.median(p["commit"] for p in parts),
-                   "floor_s": floor, "ratio": med / floor}
+            run = {
+                "layers": layers,
+                "variant": v,
+                "bf16_bytes": bf16,
+                "out_bytes": out_bytes,
+                "files": len(r.spec.files),
+                "first_s": first,
+                "construct_s": t_make,
+                "later_s": later,
+                "later_median_s": med,
+                "stage_s": statistics.median(p["stage"] for p in parts),
+                "commit_s": statistics.median(p["commit"] for p in parts),
+                "floor_s": floor,
+                "ratio": med / floor,
+            }
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
         del weights
@@ -184,15 +210,25 @@ def stage_bench(a) -> dict:
 
 def stage_table(d: dict) -> str:
     runs = d["runs"]
-    L = [f"### Refit staging ({d['device']}, torch {d['torch']}, {d['cpu_count']} CPUs)", "",
-         "| variant | layers | output | first refit | refit after the first (median) | floor (d2h into registered shm) | ratio | stage / commit |",
-         "|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"### Refit staging ({d['device']}, torch {d['torch']}, {d['cpu_count']} CPUs)",
+        "",
+        "| variant | layers | output | first refit | refit after the first (median) | floor (d2h into registered shm) | ratio | stage / commit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
-        L.append(f"| {r['variant']} | {r['layers']} | {r['out_bytes'] / 1e9:.2f} GB | {r['first_s']:.2f} s | "
-                 f"{r['later_median_s']:.3f} s | {r['floor_s']:.3f} s | **{r['ratio']:.2f}x** | "
-                 f"{r['stage_s']:.3f} / {r['commit_s']:.3f} s |")
-    L += ["", "Extrapolated to 48 layers (least squares a + b * layers over the runs above):", "",
-          "| variant | refit after the first | floor | ratio | first refit |", "|---|---|---|---|---|"]
+        L.append(
+            f"| {r['variant']} | {r['layers']} | {r['out_bytes'] / 1e9:.2f} GB | {r['first_s']:.2f} s | "
+            f"{r['later_median_s']:.3f} s | {r['floor_s']:.3f} s | **{r['ratio']:.2f}x** | "
+            f"{r['stage_s']:.3f} / {r['commit_s']:.3f} s |"
+        )
+    L += [
+        "",
+        "Extrapolated to 48 layers (least squares a + b * layers over the runs above):",
+        "",
+        "| variant | refit after the first | floor | ratio | first refit |",
+        "|---|---|---|---|---|",
+    ]
     for v in dict.fromkeys(r["variant"] for r in runs):
         rs = [r for r in runs if r["variant"] == v]
         if len({r["layers"] for r in rs}) < 2:
@@ -204,6 +240,7 @@ def stage_table(d: dict) -> str:
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             return my + b * (LAYERS - mx)
+
         t, f, first = fit("later_median_s"), fit("floor_s"), fit("first_s")
         L.append(f"| {v} | {t:.2f} s | {f:.2f} s | {t / f:.2f}x | {first:.1f} s |")
     return "\n".join(L)
@@ -219,7 +256,9 @@ def main():
     ap.add_argument("--shm-root", default="/dev/shm/qconvert-bench")
     ap.add_argument("--work", default="/tmp/qconvert-bench-refit", help="the reference checkpoints (sparse files)")
     ap.add_argument("--from", dest="src", help="gpu_layout_check.json written by scripts/gpu_layout_check.py")
-    ap.add_argument("--run", action="store_true", help="run scripts/gpu_layout_check.py first (needs CUDA + FlashInfer)")
+    ap.add_argument(
+        "--run", action="store_true", help="run scripts/gpu_layout_check.py first (needs CUDA + FlashInfer)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if a.stage:

@@ -60,8 +60,12 @@ def build(work: Path, scheme: str, seed: int, overrides: dict) -> Path:
     dst = work / f"{scheme}-{seed}"
     if not (dst / "config.json").is_file():
         shutil.rmtree(dst, ignore_errors=True)
-        convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), fsync=False,
-                                                      progress=False))
+        convert(
+            str(src),
+            dst,
+            scheme,
+            ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), fsync=False, progress=False),
+        )
     return dst
 
 
@@ -72,10 +76,28 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
-               str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "256",
-               "--max-num-seqs", "8", "--dtype", "bfloat16", "--enable-scale-out", "--seed", "0",
-               *EXTENSION_FLAG.split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--dtype",
+            "bfloat16",
+            "--enable-scale-out",
+            "--seed",
+            "0",
+            *EXTENSION_FLAG.split(),
+        ]
         self._f = open(log, "wb")
         self.log = log
         self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -185,30 +207,44 @@ def main() -> None:
     ap.add_argument("--json", help="write the raw record here")
     args = ap.parse_args()
     heads = max(1, args.hidden // 64)
-    overrides = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": heads,
-                 "num_key_value_heads": max(1, heads // 4), "head_dim": 64, "num_experts": args.experts,
-                 "moe_intermediate_size": args.moe_inter, "max_window_layers": args.layers,
-                 "intermediate_size": 4 * args.moe_inter}
+    overrides = {
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 64,
+        "num_experts": args.experts,
+        "moe_intermediate_size": args.moe_inter,
+        "max_window_layers": args.layers,
+        "intermediate_size": 4 * args.moe_inter,
+    }
     recs = [bench_scheme(s, args, overrides) for s in args.schemes.split(",")]
-    print(f"model: Qwen3-MoE demo tokenizer, {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
-          f"x {args.moe_inter}; {args.rounds} rounds x 2 areas; medians (range)")
-    print("| scheme | bytes loaded | worker threads | floor: copy into preallocated (s) | staged load (s) | "
-          "**staged / floor** | request wall (s) | stock reload_weights of the area (s) | stock / floor | "
-          "CPU MoE repack (s) |")
+    print(
+        f"model: Qwen3-MoE demo tokenizer, {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"x {args.moe_inter}; {args.rounds} rounds x 2 areas; medians (range)"
+    )
+    print(
+        "| scheme | bytes loaded | worker threads | floor: copy into preallocated (s) | staged load (s) | "
+        "**staged / floor** | request wall (s) | stock reload_weights of the area (s) | stock / floor | "
+        "CPU MoE repack (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in recs:
         f = med(r["floor"])
-        print(f"| {r['scheme']} | {r['bytes'] / 1e6:.0f} MB | {r['threads']} | {f:.3f} ({rng(r['floor'])}) | "
-              f"{med(r['staged']):.3f} ({rng(r['staged'])}) | **{med(r['staged']) / f:.2f}** | "
-              f"{med(r['staged_wall']):.3f} | {med(r['stock']):.3f} ({rng(r['stock'])}) | "
-              f"{med(r['stock']) / f:.2f} | {med(r['repack']):.3f} |")
+        print(
+            f"| {r['scheme']} | {r['bytes'] / 1e6:.0f} MB | {r['threads']} | {f:.3f} ({rng(r['floor'])}) | "
+            f"{med(r['staged']):.3f} ({rng(r['staged'])}) | **{med(r['staged']) / f:.2f}** | "
+            f"{med(r['staged_wall']):.3f} | {med(r['stock']):.3f} ({rng(r['stock'])}) | "
+            f"{med(r['stock']) / f:.2f} | {med(r['repack']):.3f} |"
+        )
     for r in recs:
         if r.get("profile"):
             print(f"\nprofile of one staged load, {r['scheme']} (cumulative):")
             for line in r["profile"]:
                 print("   ", line)
-        print(f"{r['scheme']}: mappings released after every load: {r.get('released')}; greedy after: "
-              f"{r.get('greedy')!r}")
+        print(
+            f"{r['scheme']}: mappings released after every load: {r.get('released')}; greedy after: {r.get('greedy')!r}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(recs, indent=1))
 

@@ -44,7 +44,7 @@ def floor_main(paths: list[str]) -> None:
                     b = t.reshape(-1).view(torch.uint8).numpy()
                     for i in range(0, b.size, buf.size):
                         n = min(buf.size, b.size - i)
-                        buf[:n] = b[i:i + n]
+                        buf[:n] = b[i : i + n]
 
 
 def _verify_cmd(tree: Path, src: str, dst: str) -> tuple[list[str], dict]:
@@ -74,14 +74,19 @@ def main(argv=None) -> int:
         for name, (cmd, env) in runs.items():
             m = bc.run_measured(cmd, env=env, log=log)
             rows[name].append(m)
-            print(f"round {rnd} {name}: wall {m['wall']:.2f} s, CPU {m['cpu']:.1f} s, peak RSS "
-                  f"{m['rss'] / 2**30:.2f} GiB, rc {m['rc']}", flush=True)
+            print(
+                f"round {rnd} {name}: wall {m['wall']:.2f} s, CPU {m['cpu']:.1f} s, peak RSS "
+                f"{m['rss'] / 2**30:.2f} GiB, rc {m['rc']}",
+                flush=True,
+            )
     floor = statistics.median(m["wall"] for m in rows["floor"])
     print("\n| run | wall (median) | / floor | CPU s | peak RSS | rc |\n|---|---|---|---|---|---|")
     for name, ms in rows.items():
         wall = statistics.median(m["wall"] for m in ms)
-        print(f"| {name} | {wall:.2f} s | {wall / floor:.2f} | {statistics.median(m['cpu'] for m in ms):.1f} | "
-              f"{max(m['rss'] for m in ms) / 2**30:.2f} GiB | {','.join(str(m['rc']) for m in ms)} |")
+        print(
+            f"| {name} | {wall:.2f} s | {wall / floor:.2f} | {statistics.median(m['cpu'] for m in ms):.1f} | "
+            f"{max(m['rss'] for m in ms) / 2**30:.2f} GiB | {','.join(str(m['rc']) for m in ms)} |"
+        )
     print("\nReproduce: `python " + " ".join(["scripts/bench_verify.py"] + argv) + "`")
     return 0 if all(m["rc"] == 0 for ms in rows.values() for m in ms) else 1
 

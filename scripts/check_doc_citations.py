@@ -40,7 +40,11 @@ OUTSIDE_NOTES = ("formats", "layouts", "reload", "baselines", "field-2026-12")
 
 DOCS_CITE = re.compile(r"(?<![\w/.-])docs/([\w./-]+?\.md)(#[\w-]*)?(?![\w-]|\.\w)")
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
-STALE_NOTE = re.compile(r"(?<![\w/.-])(?:spec\s+)?(" + "|".join(map(re.escape, OUTSIDE_NOTES)) + r")\.md\b(?:\s*§[\d.]+(?:\s*[A-Z]\b)?(?:,\s*§[\d.]+)*)?")
+STALE_NOTE = re.compile(
+    r"(?<![\w/.-])(?:spec\s+)?("
+    + "|".join(map(re.escape, OUTSIDE_NOTES))
+    + r")\.md\b(?:\s*§[\d.]+(?:\s*[A-Z]\b)?(?:,\s*§[\d.]+)*)?"
+)
 SECTION_MARK = re.compile(r"(?:spec\s+)?§\s*[\d.]+(?:\s*[A-Z]\b)?(?:,\s*§[\d.]+)*")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 HTML_ANCHOR = re.compile(r"<a\s+(?:id|name)\s*=\s*[\"']([^\"']+)[\"']", re.I)
@@ -89,8 +93,9 @@ def files_to_scan(root: Path) -> list[Path]:
     for d in SCAN_DIRS:
         base = root / d
         if base.is_dir():
-            out += sorted(p for p in base.rglob("*") if p.is_file() and p.suffix in SCAN_SUFFIXES
-                          and "__pycache__" not in p.parts)
+            out += sorted(
+                p for p in base.rglob("*") if p.is_file() and p.suffix in SCAN_SUFFIXES and "__pycache__" not in p.parts
+            )
     return out
 
 
@@ -146,14 +151,18 @@ def check(root: Path) -> list[str]:
             for m in STALE_NOTE.finditer(line):
                 if any(a <= m.start() < b for a, b in spans):
                     continue
-                problems.append(f"{rel}:{no}: {m.group(0)}: cites a note outside the repository; "
-                                f"cite docs/{m.group(1)}.md#<anchor>")
+                problems.append(
+                    f"{rel}:{no}: {m.group(0)}: cites a note outside the repository; cite docs/{m.group(1)}.md#<anchor>"
+                )
             for m in SECTION_MARK.finditer(line):
                 if any(a <= m.start() < b for a, b in spans) or any(
-                        a <= m.start() < b for a, b in (x.span() for x in STALE_NOTE.finditer(line))):
+                    a <= m.start() < b for a, b in (x.span() for x in STALE_NOTE.finditer(line))
+                ):
                     continue
-                problems.append(f"{rel}:{no}: {m.group(0)}: a section mark of notes outside the repository; "
-                                "cite docs/NAME.md#<anchor>")
+                problems.append(
+                    f"{rel}:{no}: {m.group(0)}: a section mark of notes outside the repository; "
+                    "cite docs/NAME.md#<anchor>"
+                )
     return problems
 
 

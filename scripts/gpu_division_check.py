@@ -99,11 +99,17 @@ def main():
     for start in range(0, 1 << 32, chunk):
         _check_recip[(chunk // 4096,)](rec, start, N=4096, num_warps=8, **_launch_options())
     torch.cuda.synchronize()
-    res = {"divisors": d.numel(), "x_values": x.numel(), "pairs": d.numel() * x.numel(),
-           "fp32_values_whose_reciprocal_differs_from_div_rn": int(rec[0]),
-           "control_approximate_reciprocal_differs": int(rec[1]),
-           "fp32_bits_differ_finite_quotient_ge_2^-3": int(out[0]), "e2m1_code_or_sign_differ": int(out[1]),
-           "overflowing_quotients": int(out[2]), "control_uncorrected_x_times_reciprocal_differs": int(out[3])}
+    res = {
+        "divisors": d.numel(),
+        "x_values": x.numel(),
+        "pairs": d.numel() * x.numel(),
+        "fp32_values_whose_reciprocal_differs_from_div_rn": int(rec[0]),
+        "control_approximate_reciprocal_differs": int(rec[1]),
+        "fp32_bits_differ_finite_quotient_ge_2^-3": int(out[0]),
+        "e2m1_code_or_sign_differ": int(out[1]),
+        "overflowing_quotients": int(out[2]),
+        "control_uncorrected_x_times_reciprocal_differs": int(out[3]),
+    }
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

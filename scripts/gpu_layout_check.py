@@ -86,15 +86,20 @@ def rand_plain(scheme, e, i, h, dev, seed=0):
         return dict(w13=rb(e, 2 * i, 2 * h).view(torch.bfloat16), w2=rb(e, h, 2 * i).view(torch.bfloat16))
     if scheme == "mxfp8":
         return dict(
-            w13=rb(e, 2 * i, h).view(torch.float8_e4m3fn), w2=rb(e, h, i).view(torch.float8_e4m3fn),
-            w13_scale=rb(e, 2 * i, h // 32, lo=1, hi=255), w2_scale=rb(e, h, i // 32, lo=1, hi=255),
+            w13=rb(e, 2 * i, h).view(torch.float8_e4m3fn),
+            w2=rb(e, h, i).view(torch.float8_e4m3fn),
+            w13_scale=rb(e, 2 * i, h // 32, lo=1, hi=255),
+            w2_scale=rb(e, h, i // 32, lo=1, hi=255),
         )
     return dict(
-        w13=rb(e, 2 * i, h // 2), w2=rb(e, h, i // 2),
+        w13=rb(e, 2 * i, h // 2),
+        w2=rb(e, h, i // 2),
         w13_scale=rb(e, 2 * i, h // 16, hi=127).view(torch.float8_e4m3fn),
         w2_scale=rb(e, h, i // 16, hi=127).view(torch.float8_e4m3fn),
-        w13_weight_scale_2=torch.rand(e, 2, device=dev), w2_weight_scale_2=torch.rand(e, device=dev),
-        w13_input_scale=torch.rand(e, device=dev) + 0.5, w2_input_scale=torch.rand(e, device=dev) + 0.5,
+        w13_weight_scale_2=torch.rand(e, 2, device=dev),
+        w2_weight_scale_2=torch.rand(e, device=dev),
+        w13_input_scale=torch.rand(e, device=dev) + 0.5,
+        w2_input_scale=torch.rand(e, device=dev) + 0.5,
     )
 
 
@@ -203,8 +208,13 @@ def check_full(fi, dev, results, experts=8):
                         for k, v in ref.items():
                             ok &= same(got[k], v)
                         back = L.from_trtllm(scheme, engine, got, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=tp)
-                        a13 = torch.cat([p["w13"][:, r * QWEN_I // tp : (r + 1) * QWEN_I // tp],
-                                         p["w13"][:, QWEN_I + r * QWEN_I // tp : QWEN_I + (r + 1) * QWEN_I // tp]], 1)
+                        a13 = torch.cat(
+                            [
+                                p["w13"][:, r * QWEN_I // tp : (r + 1) * QWEN_I // tp],
+                                p["w13"][:, QWEN_I + r * QWEN_I // tp : QWEN_I + (r + 1) * QWEN_I // tp],
+                            ],
+                            1,
+                        )
                         ok &= same(back["w13_weight"], a13)
                     results["full"][key] = bool(ok)
                     print(f"full {key}: {'EQUAL' if ok else 'DIFFERENT'}")
@@ -235,16 +245,28 @@ def timing(fi, dev, results, have_interleave):
             p = rand_plain(scheme, e, QWEN_I, QWEN_H, dev, seed=1)
             engine = "vllm"
             pre = L.to_trtllm(scheme, engine, **p, tp=tp, tp_rank=0)
-            plain_r = {k: v for k, v in L.from_trtllm(scheme, engine, pre, intermediate_size=QWEN_I,
-                                                     hidden_size=QWEN_H, tp=tp).items()}
+            plain_r = {
+                k: v
+                for k, v in L.from_trtllm(
+                    scheme, engine, pre, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=tp
+                ).items()
+            }
             # per-rank plain tensors as the engine would hold them after load
-            args = dict(w13=plain_r["w13_weight"], w2=plain_r["w2_weight"],
-                        w13_scale=plain_r.get("w13_weight_scale"), w2_scale=plain_r.get("w2_weight_scale"))
+            args = dict(
+                w13=plain_r["w13_weight"],
+                w2=plain_r["w2_weight"],
+                w13_scale=plain_r.get("w13_weight_scale"),
+                w2_scale=plain_r.get("w2_weight_scale"),
+            )
             if scheme == "nvfp4":
-                args.update({k: p[k] for k in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")})
+                args.update(
+                    {k: p[k] for k in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")}
+                )
             dst = {k: torch.empty_like(v) for k, v in pre.items()}
             host = {k: v.cpu().pin_memory() for k, v in pre.items()}
-            host_plain = {k: v.cpu().pin_memory() for k, v in args.items() if isinstance(v, torch.Tensor) and v.dim() >= 3}
+            host_plain = {
+                k: v.cpu().pin_memory() for k, v in args.items() if isinstance(v, torch.Tensor) and v.dim() >= 3
+            }
             nbytes = sum(v.numel() * v.element_size() for v in pre.values())
 
             def copy_d2d():
@@ -295,7 +317,13 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "scales": {}, "full": {}, "timing": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "scales": {},
+        "full": {},
+        "timing": {},
+    }
     t0 = time.time()
     fi = import_flashinfer()
     results["flashinfer"] = fi.version

@@ -52,8 +52,7 @@ def note(msg: str) -> None:
 
 def record(ref: str, fmt: str, case: str, what: str, n_diff: int, n_total: int, extra=""):
     RESULTS["mismatch"].append(
-        dict(ref=ref, fmt=fmt, case=case, what=what, diff=int(n_diff), total=int(n_total),
-             extra=extra)
+        dict(ref=ref, fmt=fmt, case=case, what=what, diff=int(n_diff), total=int(n_total), extra=extra)
     )
 
 
@@ -94,8 +93,15 @@ def compare_mxfp8(ref: str, case: str, x, q, s, rq, rs) -> None:
     q, s, rq, rs = (t.cpu() for t in (q, s, rq, rs))
     rs = rs.reshape(s.shape)
     ke = keep.repeat_interleave(32, dim=-1)
-    record(ref, "mxfp8", case, "scale", (u8(s) != u8(rs))[keep].sum(), keep.sum(),
-           f"{int((~keep).sum())} byte-0 blocks left out")
+    record(
+        ref,
+        "mxfp8",
+        case,
+        "scale",
+        (u8(s) != u8(rs))[keep].sum(),
+        keep.sum(),
+        f"{int((~keep).sum())} byte-0 blocks left out",
+    )
     record(ref, "mxfp8", case, "elements", (u8(q) != u8(rq))[ke].sum(), ke.sum())
 
 
@@ -103,8 +109,7 @@ def compare_nvfp4(ref: str, case: str, recipe: str, p, s, rp, rs, s2=None, rs2=N
     p, s, rp, rs = (t.cpu() for t in (p, s, rp, rs))
     rs = rs.reshape(s.shape)
     record(ref, f"nvfp4-{recipe}", case, "scale", (u8(s) != u8(rs)).sum(), s.numel())
-    record(ref, f"nvfp4-{recipe}", case, "packed", (u8(p) != u8(rp.reshape(p.shape))).sum(),
-           p.numel())
+    record(ref, f"nvfp4-{recipe}", case, "packed", (u8(p) != u8(rp.reshape(p.shape))).sum(), p.numel())
     if s2 is not None:
         record(ref, f"nvfp4-{recipe}", case, "scale_2", int(s2.cpu().item() != rs2.cpu().item()), 1)
 
@@ -118,8 +123,7 @@ def check_cpu_vs_cuda(cases) -> None:
         q, s = mxfp8_quantize(xc)
         rq, rs = mxfp8_quantize(x)
         record("qconvert-cpu", "mxfp8", name, "scale", (u8(s.cpu()) != u8(rs)).sum(), rs.numel())
-        record("qconvert-cpu", "mxfp8", name, "elements", (u8(q.cpu()) != u8(rq)).sum(),
-               rq.numel())
+        record("qconvert-cpu", "mxfp8", name, "elements", (u8(q.cpu()) != u8(rq)).sum(), rq.numel())
         for recipe in ("te", "modelopt"):
             p, sc, s2 = nvfp4_quantize(xc, recipe=recipe)
             rp, rsc, rs2 = nvfp4_quantize(x, recipe=recipe)
@@ -138,8 +142,10 @@ def check_flashinfer(cases) -> None:
         return
     major, minor = torch.cuda.get_device_capability()
     if major < 10:
-        note(f"FlashInfer {flashinfer.__version__} present but SM{major}{minor}: its MXFP8/FP4 "
-             "quantize kernels are compiled out below SM100; skipped (b)")
+        note(
+            f"FlashInfer {flashinfer.__version__} present but SM{major}{minor}: its MXFP8/FP4 "
+            "quantize kernels are compiled out below SM100; skipped (b)"
+        )
         return
     for name, x in cases.items():
         try:
@@ -260,7 +266,11 @@ def build_cuda_oracle(ftz: bool):
         if c and os.path.exists(os.path.join(c, "include", "cuda_fp4.h")):
             incs.append(os.path.join(c, "include"))
     opts = tuple(f"-I{i}" for i in incs) + (
-        "--std=c++17", "--fmad=false", "-prec-div=true", f"-ftz={'true' if ftz else 'false'}")
+        "--std=c++17",
+        "--fmad=false",
+        "-prec-div=true",
+        f"-ftz={'true' if ftz else 'false'}",
+    )
     mod = cupy.RawModule(code=KERNELS, options=opts)
     return cupy, mod.get_function("nv_te_nvfp4"), mod.get_function("nv_mxfp8")
 
@@ -285,20 +295,31 @@ def check_cuda_conversions_one(cases, ftz: bool) -> None:
         g = float(x.float().abs().max())
         packed = cupy.empty(x.numel() // 2, dtype=cupy.uint8)
         scales = cupy.empty(nb, dtype=cupy.uint8)
-        te_k(((nb + 255) // 256,), (256,),
-             (xi, cupy.int64(nb), cupy.float32(g), packed, scales))
+        te_k(((nb + 255) // 256,), (256,), (xi, cupy.int64(nb), cupy.float32(g), packed, scales))
         mp, ms, _ = nvfp4_quantize(xc, recipe="te")
-        compare_nvfp4(ref, name, "te", mp, ms,
-                      torch.as_tensor(packed, device="cuda").reshape(*x.shape[:-1], k // 2),
-                      torch.as_tensor(scales, device="cuda"))
+        compare_nvfp4(
+            ref,
+            name,
+            "te",
+            mp,
+            ms,
+            torch.as_tensor(packed, device="cuda").reshape(*x.shape[:-1], k // 2),
+            torch.as_tensor(scales, device="cuda"),
+        )
         nb32 = x.numel() // 32
         q = cupy.empty(x.numel(), dtype=cupy.uint8)
         s = cupy.empty(nb32, dtype=cupy.uint8)
         mx_k(((nb32 + 255) // 256,), (256,), (xi, cupy.int64(nb32), q, s))
         mq, msc = mxfp8_quantize(xc)
-        compare_mxfp8(ref, name, x, mq, msc,
-                      torch.as_tensor(q, device="cuda").view(torch.float8_e4m3fn).reshape(x.shape),
-                      torch.as_tensor(s, device="cuda"))
+        compare_mxfp8(
+            ref,
+            name,
+            x,
+            mq,
+            msc,
+            torch.as_tensor(q, device="cuda").view(torch.float8_e4m3fn).reshape(x.shape),
+            torch.as_tensor(s, device="cuda"),
+        )
 
 
 # ------------------------------------------------------------------ throughput
@@ -322,23 +343,20 @@ def throughput(rows: int, cols: int, iters: int, vllm_path) -> None:
     dst = torch.empty_like(x)
     t_copy = cuda_time(lambda: dst.copy_(x), iters)
     copy_in = nbytes / t_copy / 1e9
-    RESULTS["throughput"].append(dict(name="d2d copy", seconds=t_copy, gbps_input=copy_in,
-                                      gbps_rw=2 * copy_in))
+    RESULTS["throughput"].append(dict(name="d2d copy", seconds=t_copy, gbps_input=copy_in, gbps_rw=2 * copy_in))
     fns = {
         "qconvert mxfp8": lambda: mxfp8_quantize(x),
         "qconvert nvfp4 te": lambda: nvfp4_quantize(x, recipe="te"),
         "qconvert nvfp4 modelopt": lambda: nvfp4_quantize(x, recipe="modelopt"),
     }
-    mod, _ = (load_vllm_mxfp8(vllm_path) if vllm_path or importlib.util.find_spec("vllm")
-              else (None, None))
+    mod, _ = load_vllm_mxfp8(vllm_path) if vllm_path or importlib.util.find_spec("vllm") else (None, None)
     if mod is not None:
         fns["vllm mxfp8 (torch path)"] = lambda: mod._mxfp8_e4m3_quantize_torch(x)
     for name, fn in fns.items():
         try:
             t = cuda_time(fn, iters)
             gb = nbytes / t / 1e9
-            RESULTS["throughput"].append(dict(name=name, seconds=t, gbps_input=gb,
-                                              vs_copy=gb / copy_in))
+            RESULTS["throughput"].append(dict(name=name, seconds=t, gbps_input=gb, vs_copy=gb / copy_in))
         except Exception as e:
             note(f"timing {name} failed: {e!r}")
     torch.cuda.synchronize()
@@ -354,8 +372,7 @@ def print_tables() -> None:
     for r in RESULTS["mismatch"]:
         if r["diff"] == 0:
             continue
-        print(f"{r['ref']:18} {r['fmt']:15} {r['case']:22} {r['what']:9} {r['diff']:9d} "
-              f"{r['total']:11d}  {r['extra']}")
+        print(f"{r['ref']:18} {r['fmt']:15} {r['case']:22} {r['what']:9} {r['diff']:9d} {r['total']:11d}  {r['extra']}")
     tot = {}
     for r in RESULTS["mismatch"]:
         k = (r["ref"], r["fmt"], r["what"])
@@ -366,8 +383,7 @@ def print_tables() -> None:
         print(f"{ref:18} {fmt:15} {what:9} {d:9d} / {n}")
     print("\nthroughput (GB/s of BF16 input; copy also as read+write)")
     for r in RESULTS["throughput"]:
-        extra = (f"  read+write {r['gbps_rw']:.0f} GB/s" if "gbps_rw" in r
-                 else f"  {r['vs_copy']:.3f} x copy")
+        extra = f"  read+write {r['gbps_rw']:.0f} GB/s" if "gbps_rw" in r else f"  {r['vs_copy']:.3f} x copy"
         print(f"{r['name']:26} {r['seconds'] * 1e3:9.3f} ms {r['gbps_input']:9.1f} GB/s{extra}")
 
 
@@ -378,8 +394,7 @@ def main() -> int:
     ap.add_argument("--bench-rows", type=int, default=16384)
     ap.add_argument("--bench-cols", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--vllm-mxfp8-utils", default=None,
-                    help="path to vLLM's mxfp8_utils.py when vLLM is not installed")
+    ap.add_argument("--vllm-mxfp8-utils", default=None, help="path to vLLM's mxfp8_utils.py when vLLM is not installed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -391,17 +406,20 @@ def main() -> int:
     RESULTS["torch"] = torch.__version__
     print(f"device {RESULTS['device']} sm{RESULTS['capability']}, torch {torch.__version__}")
     cases = make_inputs(a.rows, a.cols)
-    for step in (lambda: check_cpu_vs_cuda(cases), lambda: check_cuda_conversions(cases),
-                 lambda: check_vllm(cases, a.vllm_mxfp8_utils), lambda: check_flashinfer(cases),
-                 lambda: throughput(a.bench_rows, a.bench_cols, a.iters, a.vllm_mxfp8_utils)):
+    for step in (
+        lambda: check_cpu_vs_cuda(cases),
+        lambda: check_cuda_conversions(cases),
+        lambda: check_vllm(cases, a.vllm_mxfp8_utils),
+        lambda: check_flashinfer(cases),
+        lambda: throughput(a.bench_rows, a.bench_cols, a.iters, a.vllm_mxfp8_utils),
+    ):
         try:
             step()
         except Exception:
             note("step failed:\n" + traceback.format_exc())
     RESULTS["wall_s"] = time.time() - t0
     print_tables()
-    out = a.json or (os.path.join(os.environ["OUT"], "gpu_numerics.json")
-                     if os.environ.get("OUT") else None)
+    out = a.json or (os.path.join(os.environ["OUT"], "gpu_numerics.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)

@@ -80,7 +80,9 @@ def stage(name):
                     raise
             rec["seconds"] = round(time.perf_counter() - t0, 2)
             save()
+
         return run
+
     return deco
 
 
@@ -94,8 +96,9 @@ def convert(src: Path, dst: Path, fmt: str, device: str = "cpu") -> Path:
 
     scheme = fmt.split("-")[0]
     last = 1 if fmt.endswith("last1") else 0
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last), fsync=False,
-                          progress=False, device=device)
+    opts = ConvertOptions(
+        scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last), fsync=False, progress=False, device=device
+    )
     if fmt == "mxfp8-modelopt":
         opts.dialect = "modelopt"
     if scheme == "nvfp4":
@@ -130,11 +133,32 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
-               "--max-num-seqs", "16", "--dtype", "bfloat16", "--seed", "0", "--gpu-memory-utilization", "0.35",
-               "--kv-cache-memory-bytes", str(1 << 30),
-               *EXTENSION_FLAG.split(), *(extra or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "16",
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--gpu-memory-utilization",
+            "0.35",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            *EXTENSION_FLAG.split(),
+            *(extra or []),
+        ]
         self.log = logf
         self._f = open(logf, "wb")
         t0 = time.perf_counter()
@@ -167,9 +191,17 @@ class Server:
         return requests.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def complete(self, prompt, max_tokens=MAX_TOKENS) -> str:
-        r = requests.post(self.url + "/v1/completions", json={
-            "model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True}, timeout=300)
+        r = requests.post(
+            self.url + "/v1/completions",
+            json={
+                "model": self.model(),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            timeout=300,
+        )
         if r.status_code != 200:
             raise RuntimeError(f"/v1/completions {r.status_code}: {r.text[:500]}")
         c = r.json()["choices"][0]
@@ -193,8 +225,12 @@ def install_client_shims():
 
     versions: dict[str, str] = {}
     orig_wv, orig_set, orig_pause, orig_resume, orig_reload = (
-        vc.VllmClient.weight_version, vc.VllmClient.set_weight_version, vc.VllmClient.pause,
-        vc.VllmClient.resume, vc.VllmClient.reload_weights)
+        vc.VllmClient.weight_version,
+        vc.VllmClient.set_weight_version,
+        vc.VllmClient.pause,
+        vc.VllmClient.resume,
+        vc.VllmClient.reload_weights,
+    )
 
     def weight_version(self):
         # qconvert's client refuses such servers (docs/reload.md#vllm-weight-versions); this run
@@ -237,9 +273,11 @@ def install_client_shims():
 
 def last_pause() -> dict:
     t = TIMES[-1]
-    return {"pause_to_resume_s": round(t["resumed"] - t["pause_sent"], 4),
-            "drain_s": round(t["paused"] - t["pause_sent"], 4),
-            "reload_weights_rpc_s": round(t.get("reload_weights_s", float("nan")), 4)}
+    return {
+        "pause_to_resume_s": round(t["resumed"] - t["pause_sent"], 4),
+        "drain_s": round(t["paused"] - t["pause_sent"], 4),
+        "reload_weights_rpc_s": round(t.get("reload_weights_s", float("nan")), 4),
+    }
 
 
 def timed_reload(urls, ckpt, **kw) -> dict:
@@ -282,24 +320,40 @@ def st_kl(rec, root: Path, archs, formats=FORMATS, reload_fmt: str | None = None
             i = 1 + list(dsts).index(reload_fmt)
             jobs[i] = {"model": str(jobs[i]), "reload": [str(b), str(jobs[i])]}
         t0 = time.perf_counter()
-        res = run_in_vllm(jobs, PROMPTS, max_tokens=16, score_with_first=True,
-                          llm_kwargs={"gpu_memory_utilization": 0.12,
-                                      "kv_cache_memory_bytes": 1 << 29}, env={"VLLM_LOGGING_LEVEL": "INFO"},
-                          timeout=900)
+        res = run_in_vllm(
+            jobs,
+            PROMPTS,
+            max_tokens=16,
+            score_with_first=True,
+            llm_kwargs={"gpu_memory_utilization": 0.12, "kv_cache_memory_bytes": 1 << 29},
+            env={"VLLM_LOGGING_LEVEL": "INFO"},
+            timeout=900,
+        )
         rec[f"{arch}_wall_s"] = round(time.perf_counter() - t0, 1)
         base = res["jobs"][0]["stages"][0]
         for f, job in zip(dsts, res["jobs"][1:]):
             st = job["stages"][0]
             m = compare_logprobs(base["score"], st["score"])
             gen = sum(a == b for a, b in zip(base["tokens"], st["tokens"])) / len(base["tokens"])
-            rec[f"{arch}:{f}"] = {k: m[k] for k in ("top1_agreement", "mean_kl", "max_kl", "max_abs_logprob_diff",
-                                                    "positions", "nonfinite_positions")} | {"generation_agreement": gen}
+            rec[f"{arch}:{f}"] = {
+                k: m[k]
+                for k in (
+                    "top1_agreement",
+                    "mean_kl",
+                    "max_kl",
+                    "max_abs_logprob_diff",
+                    "positions",
+                    "nonfinite_positions",
+                )
+            } | {"generation_agreement": gen}
             log(arch, f, rec[f"{arch}:{f}"])
             if len(job["stages"]) == 3:  # reloaded B, then A again
                 rb, ra = job["stages"][1], job["stages"][2]
-                rec[f"{arch}:{f}:reload"] = {"outputs_changed": rb["tokens"] != st["tokens"],
-                                             "restored_tokens": ra["tokens"] == st["tokens"],
-                                             "restored_logprobs_exactly": ra["score"] == st["score"]}
+                rec[f"{arch}:{f}:reload"] = {
+                    "outputs_changed": rb["tokens"] != st["tokens"],
+                    "restored_tokens": ra["tokens"] == st["tokens"],
+                    "restored_logprobs_exactly": ra["score"] == st["score"],
+                }
         rec[f"{arch}_stderr_tail"] = res.get("stderr_tail", "")[-1500:]
         save()
 
@@ -332,8 +386,13 @@ def concurrent_check(srv: Server, b_ckpt, a_out, b_out) -> dict:
     for p, st, text in results:
         if st == 200:
             which["A" if text == a_out[p] else "B" if text == b_out[p] else "neither"] += 1
-    return {"requests": len(results), "failed": len(failed), "failed_examples": failed[:3], "answers": which,
-            **{f"reload_{k}": v for k, v in timing.items()}}
+    return {
+        "requests": len(results),
+        "failed": len(failed),
+        "failed_examples": failed[:3],
+        "answers": which,
+        **{f"reload_{k}": v for k, v in timing.items()},
+    }
 
 
 def reload_round_trip(rec, root: Path, arch: str, fmt: str, repeats: int = 3):
@@ -414,14 +473,23 @@ def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
     runs = []
     for i in range(3):
         t0 = time.perf_counter()
-        res = refit(iter(gpu.items()), reference=b_src, urls=[srv.url], stage_name="policy",
-                    options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False,
-                                           device="cuda"),
-                    weight_version=f"B-refit{i}")
+        res = refit(
+            iter(gpu.items()),
+            reference=b_src,
+            urls=[srv.url],
+            stage_name="policy",
+            options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda"),
+            weight_version=f"B-refit{i}",
+        )
         total = time.perf_counter() - t0
         assert res.reload[0].ok
-        runs.append({"total_s": round(total, 4), **last_pause(),
-                     "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4)})
+        runs.append(
+            {
+                "total_s": round(total, 4),
+                **last_pause(),
+                "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4),
+            }
+        )
     rec["runs"] = runs
     rec["equals_converted_reload"] = srv.greedy() == want
     timed_reload([srv.url], a, weight_version="A-after")
@@ -462,8 +530,10 @@ def st_synthetic(rec, root: Path, layers: int):
     b_src = root / "synth-s1-bf16"
     for d, seed in ((a_src, 0), (b_src, 1)):
         if not d.exists():
-            subprocess.run([sys.executable, "scripts/make_synthetic.py", str(d), "--layers", str(layers),
-                            "--seed", str(seed)], check=True)
+            subprocess.run(
+                [sys.executable, "scripts/make_synthetic.py", str(d), "--layers", str(layers), "--seed", str(seed)],
+                check=True,
+            )
     t0 = time.perf_counter()
     a = convert(a_src, root / "synth-s0-mxfp8", "mxfp8-last1", device="cuda")
     rec["convert_a_cuda_s"] = round(time.perf_counter() - t0, 2)

@@ -37,16 +37,39 @@ POOL_ELEMS = 1 << 25
 
 def qwen3_30b_a3b_config(layers: int) -> dict:
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": HIDDEN, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
-        "intermediate_size": 6144, "moe_intermediate_size": MOE_INTER, "num_experts": EXPERTS,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "use_sliding_window": False,
-        "sliding_window": None, "max_window_layers": layers, "bos_token_id": 151643, "eos_token_id": 151645,
-        "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": MOE_INTER,
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
     }
 
 
@@ -68,8 +91,11 @@ def tensor_specs(layers: int) -> list[tuple[str, tuple[int, ...]]]:
         ]
         for e in range(EXPERTS):
             q = f"{p}mlp.experts.{e}."
-            specs += [(q + "gate_proj.weight", (MOE_INTER, HIDDEN)), (q + "up_proj.weight", (MOE_INTER, HIDDEN)),
-                      (q + "down_proj.weight", (HIDDEN, MOE_INTER))]
+            specs += [
+                (q + "gate_proj.weight", (MOE_INTER, HIDDEN)),
+                (q + "up_proj.weight", (MOE_INTER, HIDDEN)),
+                (q + "down_proj.weight", (HIDDEN, MOE_INTER)),
+            ]
     specs += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
     return specs
 
@@ -98,7 +124,7 @@ class _Values:
         parts, need, off = [], n, self.off
         while need:
             take = min(need, POOL_ELEMS - off)
-            parts.append(self.pool[off:off + take])
+            parts.append(self.pool[off : off + take])
             need -= take
             off = 0
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -133,10 +159,17 @@ def make(dst: Path, layers: int, shard_gb: float, seed: int = 0) -> dict:
         w.close(fsync=False)
         sizes.append(w.size)
     if n > 1:
-        (dst / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2))
-    return {"path": str(dst), "layers": layers, "shards": n, "bytes": total, "largest_shard": max(sizes),
-            "shard_sizes": sizes}
+        (dst / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2)
+        )
+    return {
+        "path": str(dst),
+        "layers": layers,
+        "shards": n,
+        "bytes": total,
+        "largest_shard": max(sizes),
+        "shard_sizes": sizes,
+    }
 
 
 def main(argv=None):

@@ -38,9 +38,26 @@ VARIANTS = [
     ("nvfp4-ct-experts-only", ["nvfp4", "--dialect", "compressed-tensors", "--experts-only", "--input-scale", "unit"]),
     ("mxfp8-layout-vllm", ["mxfp8", "--layout", "flashinfer-trtllm", "--engine", "vllm"]),
     ("mxfp8-layout-sglang-ep2", ["mxfp8", "--layout", "flashinfer-trtllm", "--engine", "sglang", "--ep", "2"]),
-    ("nvfp4-layout-vllm-tp2", ["nvfp4", "--layout", "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--input-scale", "unit"]),
-    ("nvfp4-ct-layout-vllm-ep2", ["nvfp4", "--dialect", "compressed-tensors", "--layout", "flashinfer-trtllm",
-                                  "--engine", "vllm", "--ep", "2", "--input-scale", "unit"]),
+    (
+        "nvfp4-layout-vllm-tp2",
+        ["nvfp4", "--layout", "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--input-scale", "unit"],
+    ),
+    (
+        "nvfp4-ct-layout-vllm-ep2",
+        [
+            "nvfp4",
+            "--dialect",
+            "compressed-tensors",
+            "--layout",
+            "flashinfer-trtllm",
+            "--engine",
+            "vllm",
+            "--ep",
+            "2",
+            "--input-scale",
+            "unit",
+        ],
+    ),
     ("bf16-layout-vllm", ["bf16", "--layout", "flashinfer-trtllm", "--engine", "vllm"]),
     ("unshuffle:mxfp8-layout-vllm", None),
 ]
@@ -82,8 +99,11 @@ def run(model: str, src: Path, work: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--synthetic-layers", type=int, default=0)
-    ap.add_argument("--work", default="/tmp/qconvert-digests",
-                    help="scratch directory, emptied first (the manifests name paths in it)")
+    ap.add_argument(
+        "--work",
+        default="/tmp/qconvert-digests",
+        help="scratch directory, emptied first (the manifests name paths in it)",
+    )
     a = ap.parse_args(argv)
     os.environ.setdefault("SOURCE_DATE_EPOCH", "0")
     from qconvert.convert.demo import build_demo_model
@@ -96,8 +116,19 @@ def main(argv=None) -> None:
             run(model, build_demo_model(work / f"src-{model}", arch=arch), work)
         if a.synthetic_layers:
             synth = work / "src-synth"
-            subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), str(synth), "--layers",
-                            str(a.synthetic_layers), "--shard-gb", "1"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "make_synthetic.py"),
+                    str(synth),
+                    "--layers",
+                    str(a.synthetic_layers),
+                    "--shard-gb",
+                    "1",
+                ],
+                check=True,
+                capture_output=True,
+            )
             run("synth", synth, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

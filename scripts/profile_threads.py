@@ -53,8 +53,16 @@ def main(argv=None) -> int:
     ap.add_argument("--interval-ms", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=7)
     a = ap.parse_args(argv)
-    opts = ConvertOptions(scheme=a.scheme, plan=PlanOptions(scheme=a.scheme), force=True, progress=False,
-                          fsync=False, device=a.device, source_checksums=not a.no_checksums, output_checksums=not a.no_checksums)
+    opts = ConvertOptions(
+        scheme=a.scheme,
+        plan=PlanOptions(scheme=a.scheme),
+        force=True,
+        progress=False,
+        fsync=False,
+        device=a.device,
+        source_checksums=not a.no_checksums,
+        output_checksums=not a.no_checksums,
+    )
     counts: collections.Counter = collections.Counter()
     done = threading.Event()
 
@@ -79,8 +87,10 @@ def main(argv=None) -> int:
     per_thread: dict[str, list] = collections.defaultdict(list)
     for (name, key), n in counts.items():
         per_thread[name].append((n, key))
-    print(f"{a.scheme} on {a.device}{' --no-checksums' if a.no_checksums else ''}: convert() {wall:.2f} s; samples per thread "
-          f"(one per {a.interval_ms:g} ms per live thread; a pool's threads are summed)")
+    print(
+        f"{a.scheme} on {a.device}{' --no-checksums' if a.no_checksums else ''}: convert() {wall:.2f} s; samples per thread "
+        f"(one per {a.interval_ms:g} ms per live thread; a pool's threads are summed)"
+    )
     for name, rows in sorted(per_thread.items(), key=lambda kv: -sum(n for n, _ in kv[1])):
         total = sum(n for n, _ in rows)
         print(f"  {name}: {total}")

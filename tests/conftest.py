@@ -30,8 +30,13 @@ def demo_dense(tmp_path_factory):
 # QCONVERT_REQUIRE_ORACLES=1 (set by scripts/test.sh) any other skip fails the test: every oracle
 # that can run on CPU (vLLM, FlashInfer, ModelOpt, torchao, compressed-tensors, the CUDA-header
 # NVFP4 reference, the C kernels) must run, not vanish with a missing package.
-CPU_ONLY_SKIPS = ("needs a CUDA GPU", "needs two GPUs", "needs CUDA", "no AVX2 loops on this CPU",
-                  "cannot mount a tmpfs here")
+CPU_ONLY_SKIPS = (
+    "needs a CUDA GPU",
+    "needs two GPUs",
+    "needs CUDA",
+    "no AVX2 loops on this CPU",
+    "cannot mount a tmpfs here",
+)
 
 
 def _refuse_skip(report) -> None:

@@ -28,13 +28,23 @@ def cases():
             n = t.numel() // 64 * 64
             out.append((f"all-bf16-{name}{'-nan' if nan else ''}", t[:n].reshape(-1, 64)))
     # adversarial: each row of 64 = 4 NVFP4 blocks = 2 MXFP8 blocks
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0])
+    ties = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    )
     rows = []
     for e in range(-140, 119, 3):
-        m = 2.0 ** e
+        m = 2.0**e
         rows.append(torch.cat([ties * m, ties * (m * 1.75), ties.flip(0) * m, ties * m / 6]))
-        rows.append(torch.cat([torch.full((16,), 1.75 * m), torch.full((16,), -448.0 * m), torch.zeros(16),
-                               torch.full((16,), 448.0 * m)]))
+        rows.append(
+            torch.cat(
+                [
+                    torch.full((16,), 1.75 * m),
+                    torch.full((16,), -448.0 * m),
+                    torch.zeros(16),
+                    torch.full((16,), 448.0 * m),
+                ]
+            )
+        )
     adv = torch.stack(rows)
     adv[0, :8] = -0.0
     out.append(("adversarial-bf16", adv.bfloat16()))
@@ -56,7 +66,7 @@ def _division_ties() -> torch.Tensor:
     rows = []
     for e in range(-6, 8):
         for m in range(1, 8):
-            sc = (1 + m / 8) * 2.0 ** e
+            sc = (1 + m / 8) * 2.0**e
             exact = torch.cat([torch.tensor([6.0 * sc]), ties * sc, -ties * sc, torch.zeros(1)]).bfloat16()
             bits = exact.view(torch.int16)
             up, down = exact.clone(), exact.clone()
@@ -85,5 +95,5 @@ def global_amaxes(name: str, x: torch.Tensor) -> list:
     gmax = float(finite.max()) if finite.numel() else 0.0
     own = [] if name.endswith("-nan") else [None]
     if name.startswith("division-ties"):
-        return own + [2688.0 * 2.0 ** j for j in (-8, -3, 0, 3, 8)] + [2688.0 * 3, 7.2e-43]
-    return own + [gmax * 4, 1e-38, 3e38, 7.2e-43] + [2.0 ** e for e in range(-140, 128, 17)]
+        return own + [2688.0 * 2.0**j for j in (-8, -3, 0, 3, 8)] + [2688.0 * 3, 7.2e-43]
+    return own + [gmax * 4, 1e-38, 3e38, 7.2e-43] + [2.0**e for e in range(-140, 128, 17)]

@@ -22,8 +22,15 @@ from qconvert.convert.resume import partial_dir
 
 def tiny_config(**over):
     c = demo_config("qwen3")
-    c.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=2,
-             intermediate_size=128, vocab_size=64)
+    c.update(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=64,
+    )
     c.update(over)
     return c
 
@@ -71,10 +78,11 @@ def single(tmp_path):
 def _header_of(path: Path):
     b = path.read_bytes()
     (n,) = struct.unpack("<Q", b[:8])
-    return json.loads(b[8:8 + n]), b[8 + n:]
+    return json.loads(b[8 : 8 + n]), b[8 + n :]
 
 
 # ---- safetensors bytes ----------------------------------------------------------------------
+
 
 def test_truncated_safetensors(single, tmp_path):
     f = single / "model.safetensors"
@@ -94,20 +102,34 @@ def test_file_shorter_than_8_bytes(single, tmp_path):
     expect_error(single, tmp_path / "out", "too short")
 
 
-@pytest.mark.parametrize("header,needle", [
-    (b"{not json at all", "not valid JSON"),
-    (b"\xff\xfe\x00garbage", "not valid JSON"),
-    (b"[1, 2, 3]", "not a JSON object"),
-    ({"w.weight": [1, 2]}, "header entry is not an object"),
-    ({"w.weight": {"dtype": "BF16", "shape": "32x32", "data_offsets": [0, 2048]}}, "is not a list of non-negative"),
-    ({"w.weight": {"dtype": "BF16", "shape": [32, -1], "data_offsets": [0, 2048]}}, "is not a list of non-negative"),
-    ({"w.weight": {"dtype": "BF16", "shape": [32, True], "data_offsets": [0, 2048]}}, "is not a list of non-negative"),
-    ({"w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": ["0", 2048]}}, "not a valid [begin, end]"),
-    ({"w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [2048, 0]}}, "not a valid [begin, end]"),
-    ({"w.weight": {"dtype": "Q4_K", "shape": [32, 32], "data_offsets": [0, 2048]}}, "unsupported dtype 'Q4_K'"),
-    ({"__metadata__": {"format": 1}, "w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [0, 2048]}},
-     "__metadata__ must map strings"),
-])
+@pytest.mark.parametrize(
+    "header,needle",
+    [
+        (b"{not json at all", "not valid JSON"),
+        (b"\xff\xfe\x00garbage", "not valid JSON"),
+        (b"[1, 2, 3]", "not a JSON object"),
+        ({"w.weight": [1, 2]}, "header entry is not an object"),
+        ({"w.weight": {"dtype": "BF16", "shape": "32x32", "data_offsets": [0, 2048]}}, "is not a list of non-negative"),
+        (
+            {"w.weight": {"dtype": "BF16", "shape": [32, -1], "data_offsets": [0, 2048]}},
+            "is not a list of non-negative",
+        ),
+        (
+            {"w.weight": {"dtype": "BF16", "shape": [32, True], "data_offsets": [0, 2048]}},
+            "is not a list of non-negative",
+        ),
+        ({"w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": ["0", 2048]}}, "not a valid [begin, end]"),
+        ({"w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [2048, 0]}}, "not a valid [begin, end]"),
+        ({"w.weight": {"dtype": "Q4_K", "shape": [32, 32], "data_offsets": [0, 2048]}}, "unsupported dtype 'Q4_K'"),
+        (
+            {
+                "__metadata__": {"format": 1},
+                "w.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [0, 2048]},
+            },
+            "__metadata__ must map strings",
+        ),
+    ],
+)
 def test_header_not_json_or_wrong_types(tmp_path, header, needle):
     src = tmp_path / "src"
     src.mkdir()
@@ -116,19 +138,26 @@ def test_header_not_json_or_wrong_types(tmp_path, header, needle):
     expect_error(src, tmp_path / "out", "model.safetensors", needle)
 
 
-@pytest.mark.parametrize("second_offsets,needle", [
-    ([1024, 3072], "overlap in the data section"),
-    ([2048, 4096 + 2], "data ends at byte 4098 but the file holds 4096 data bytes"),
-    ([10**12, 10**12 + 2048], "data ends at byte"),
-])
+@pytest.mark.parametrize(
+    "second_offsets,needle",
+    [
+        ([1024, 3072], "overlap in the data section"),
+        ([2048, 4096 + 2], "data ends at byte 4098 but the file holds 4096 data bytes"),
+        ([10**12, 10**12 + 2048], "data ends at byte"),
+    ],
+)
 def test_offsets_overlapping_or_outside_the_data(tmp_path, second_offsets, needle):
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(tiny_config(architectures=["Foo"])))
-    raw_safetensors(src / "model.safetensors", {
-        "a.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [0, 2048]},
-        "b.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": second_offsets},
-    }, bytes(4096))
+    raw_safetensors(
+        src / "model.safetensors",
+        {
+            "a.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": [0, 2048]},
+            "b.weight": {"dtype": "BF16", "shape": [32, 32], "data_offsets": second_offsets},
+        },
+        bytes(4096),
+    )
     expect_error(src, tmp_path / "out", needle)
 
 
@@ -142,6 +171,7 @@ def test_dtype_and_shape_inconsistent_with_byte_length(single, tmp_path):
 
 
 # ---- index ----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def sharded(tmp_path):
@@ -161,7 +191,9 @@ def test_index_references_a_missing_shard(sharded, tmp_path):
     expect_error(sharded, tmp_path / "out", victim.name, "is missing")
 
 
-@pytest.mark.parametrize("rel", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS", "./x/../../outside.safetensors"])
+@pytest.mark.parametrize(
+    "rel", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS", "./x/../../outside.safetensors"]
+)
 def test_index_entries_outside_src_are_refused(sharded, tmp_path, rel):
     # A perfectly valid shard waits outside SRC: reading it would make the conversion succeed.
     outside = tmp_path / "outside.safetensors"
@@ -212,15 +244,20 @@ def test_malformed_index(sharded, tmp_path):
 
 # ---- values and model structure -------------------------------------------------------------
 
-@pytest.mark.parametrize("name,value", [
-    ("model.layers.0.mlp.down_proj.weight", float("nan")),   # quantized
-    ("model.layers.1.self_attn.k_proj.weight", float("inf")),  # quantized
-    ("model.layers.0.mlp.up_proj.weight", float("-inf")),     # quantized
-    ("model.norm.weight", float("nan")),                       # kept BF16
-])
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("model.layers.0.mlp.down_proj.weight", float("nan")),  # quantized
+        ("model.layers.1.self_attn.k_proj.weight", float("inf")),  # quantized
+        ("model.layers.0.mlp.up_proj.weight", float("-inf")),  # quantized
+        ("model.norm.weight", float("nan")),  # kept BF16
+    ],
+)
 def test_non_finite_weight_refused_then_allowed_with_flag(tmp_path, name, value):
     def poison(t):
         t[name].view(-1)[7] = value
+
     src = make_model(tmp_path / "src", mutate=poison)
     expect_error(src, tmp_path / "out", name, "NaN or Inf", "--allow-non-finite")
     code, out, _ = run_cli("mxfp8", src, tmp_path / "ok", "--no-progress", "--allow-non-finite")
@@ -240,7 +277,14 @@ def test_weight_shape_contradicts_config(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["intermediate_size"] = 128  # ...but config.json says 128
     (src / "config.json").write_text(json.dumps(cfg))
-    expect_error(src, tmp_path / "out", "mlp.", "has shape", "down_proj.weight", "has shape [64, 96] but config.json implies [64, 128]")
+    expect_error(
+        src,
+        tmp_path / "out",
+        "mlp.",
+        "has shape",
+        "down_proj.weight",
+        "has shape [64, 96] but config.json implies [64, 128]",
+    )
 
 
 def test_empty_model(tmp_path):
@@ -262,9 +306,11 @@ def test_unknown_architecture_with_nothing_quantizable(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"architectures": ["MysteryNet"], "hidden_size": 48}))
-    t = {"encoder.embed_tokens.weight": torch.zeros(64, 48, dtype=torch.bfloat16),
-         "encoder.norm.weight": torch.ones(48, dtype=torch.bfloat16),
-         "encoder.proj.weight": torch.zeros(16, 48, dtype=torch.bfloat16)}  # K=48: not a multiple of 32
+    t = {
+        "encoder.embed_tokens.weight": torch.zeros(64, 48, dtype=torch.bfloat16),
+        "encoder.norm.weight": torch.ones(48, dtype=torch.bfloat16),
+        "encoder.proj.weight": torch.zeros(16, 48, dtype=torch.bfloat16),
+    }  # K=48: not a multiple of 32
     write_sharded(src, t, 1)
     expect_error(src, tmp_path / "out", "no tensor would be quantized")
 
@@ -273,9 +319,11 @@ def test_fused_3d_expert_tensor(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"architectures": ["SomeMoe"], "hidden_size": 64}))
-    t = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 256, dtype=torch.bfloat16),
-         "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16),
-         "model.layers.0.mlp.experts.down_proj.weight": torch.zeros(4, 128, 64, dtype=torch.bfloat16)}
+    t = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 256, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16),
+        "model.layers.0.mlp.experts.down_proj.weight": torch.zeros(4, 128, 64, dtype=torch.bfloat16),
+    }
     write_sharded(src, t, 1)
     # an architecture qconvert does not know the engines' loader of (docs/formats.md#fused-expert-tensors)
     expect_error(src, tmp_path / "out", "fused expert tensor", "experts.gate_up_proj", "SomeMoe")
@@ -292,6 +340,7 @@ def test_already_quantized_tensors(tmp_path):
     def to_fp8(t):
         n = "model.layers.0.mlp.up_proj.weight"
         t[n] = t[n].float().to(torch.float8_e4m3fn)
+
     src = make_model(tmp_path / "src", mutate=to_fp8)
     expect_error(src, tmp_path / "out", "model.layers.0.mlp.up_proj.weight", "already quantized (F8_E4M3)")
 
@@ -306,6 +355,7 @@ def test_pickle_checkpoints_are_refused(tmp_path, name):
     class Evil:  # unpickling this would create `marker`
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
+
     (src / name).write_bytes(pickle.dumps({"w": Evil()}))
     expect_error(src, tmp_path / "out", name, "pickle checkpoints can execute code")
     assert not marker.exists()
@@ -324,6 +374,7 @@ def test_bad_source_and_config(tmp_path):
 
 
 # ---- destination ----------------------------------------------------------------------------
+
 
 def test_existing_dst_without_force(single, tmp_path):
     dst = tmp_path / "out"

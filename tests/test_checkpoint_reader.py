@@ -64,16 +64,19 @@ def test_consistent_sharded_checkpoint(tmp_path, strict):
     assert ck.manifest is None and ck.hf_quant_config is None and ck.layout is None
 
 
-@pytest.mark.parametrize("case,code,needle", [
-    # the index lists a tensor its shard does not hold
-    ("ghost", "index-missing-tensor", "'ghost.weight' listed in a.safetensors but that shard does not hold it"),
-    # the index names the wrong shard
-    ("moved", "index-wrong-shard", "'x.weight' listed in b.safetensors but stored in a.safetensors"),
-    # a shard holds a tensor the index does not list
-    ("unlisted_tensor", "not-in-index", "'y.weight' in a.safetensors is not in the index"),
-    # the same tensor in two shards
-    ("duplicate", "duplicate", "'x.weight' appears in both a.safetensors and b.safetensors"),
-])
+@pytest.mark.parametrize(
+    "case,code,needle",
+    [
+        # the index lists a tensor its shard does not hold
+        ("ghost", "index-missing-tensor", "'ghost.weight' listed in a.safetensors but that shard does not hold it"),
+        # the index names the wrong shard
+        ("moved", "index-wrong-shard", "'x.weight' listed in b.safetensors but stored in a.safetensors"),
+        # a shard holds a tensor the index does not list
+        ("unlisted_tensor", "not-in-index", "'y.weight' in a.safetensors is not in the index"),
+        # the same tensor in two shards
+        ("duplicate", "duplicate", "'x.weight' appears in both a.safetensors and b.safetensors"),
+    ],
+)
 def test_index_inconsistencies_strict_raises_lenient_collects(tmp_path, case, code, needle):
     shards = {k: list(v) for k, v in SHARDS.items()}
     wmap = {n: f for f, names in shards.items() for n in names}
@@ -127,8 +130,10 @@ def test_shard_listed_but_missing(tmp_path, strict):
 
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("what", ["config.json", C.INDEX_NAME])
-@pytest.mark.parametrize("raw,needle", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
-                                        (b"\xff\xfe", "not valid JSON")])
+@pytest.mark.parametrize(
+    "raw,needle",
+    [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"), (b"\xff\xfe", "not valid JSON")],
+)
 def test_bad_json(tmp_path, strict, what, raw, needle):
     root = _ckpt(tmp_path / "m", SHARDS)
     (root / what).write_bytes(raw)
@@ -232,16 +237,18 @@ def test_problem_is_its_text_and_pickles_with_its_code():
     import pickle
 
     p = C.Problem("duplicate", "tensor 'x' appears in both a and b", "x")
-    assert p == "tensor 'x' appears in both a and b" and json.dumps([p]) == '["tensor \'x\' appears in both a and b"]'
+    assert p == "tensor 'x' appears in both a and b" and json.dumps([p]) == "[\"tensor 'x' appears in both a and b\"]"
     for q in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
         assert q == p and q.code == "duplicate" and q.subject == "x"
 
 
 # ---- the entry points read through it -----------------------------------------------------------
 
+
 def _layout_manifest(root: Path, lay=None):
-    (root / C.MANIFEST_NAME).write_text(json.dumps({"scheme": "mxfp8", "layout": lay or {"name": "flashinfer-trtllm",
-                                                                                          "engine": "vllm"}}))
+    (root / C.MANIFEST_NAME).write_text(
+        json.dumps({"scheme": "mxfp8", "layout": lay or {"name": "flashinfer-trtllm", "engine": "vllm"}})
+    )
 
 
 def test_staging_and_loader_read_the_manifest_guarded(tmp_path):
@@ -268,8 +275,11 @@ def test_staging_and_loader_read_the_manifest_guarded(tmp_path):
 def test_loader_refuses_a_tensor_in_two_shards_by_its_code(tmp_path):
     from qconvert.engine import vllm_layout_loader as L
 
-    root = _ckpt(tmp_path / "m", {"a.safetensors": ["x.weight"], "b.safetensors": ["x.weight", "z.weight"]},
-                 {"x.weight": "a.safetensors", "z.weight": "b.safetensors"})
+    root = _ckpt(
+        tmp_path / "m",
+        {"a.safetensors": ["x.weight"], "b.safetensors": ["x.weight", "z.weight"]},
+        {"x.weight": "a.safetensors", "z.weight": "b.safetensors"},
+    )
     with pytest.raises(L.PreshuffledLoadError, match="tensor x.weight appears in two shards"):
         L._checkpoint_entries(root)
     (root / "b.safetensors").unlink()

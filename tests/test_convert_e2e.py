@@ -155,8 +155,12 @@ def test_single_file_checkpoint_and_first_n(tmp_path):
 
     src = build_demo_model(tmp_path / "one", arch="qwen3", n_shards=1)
     dst = tmp_path / "out"
-    res = convert(str(src), dst, "mxfp8", ConvertOptions(plan=PlanOptions(first_n_bf16=1, keep_bf16=("*.o_proj",)),
-                                                         progress=False))
+    res = convert(
+        str(src),
+        dst,
+        "mxfp8",
+        ConvertOptions(plan=PlanOptions(first_n_bf16=1, keep_bf16=("*.o_proj",)), progress=False),
+    )
     assert (dst / "model.safetensors").exists() and not (dst / "model.safetensors.index.json").exists()
     d_t, _ = load_dir(dst)
     assert d_t["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
@@ -187,6 +191,7 @@ def test_hub_repo_id_from_offline_cache(demo_dense, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
+
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     dst = tmp_path / "out"

@@ -47,8 +47,9 @@ def test_build_jobs_returns_the_layout_layers_and_leaves_the_options_alone(demo_
     built = build_jobs(plan, "mxfp8", dialects.resolve_dialect("mxfp8", None), opts)
     assert isinstance(built, BuiltJobs)
     n = cfg["num_hidden_layers"]
-    assert built.layout_layers == {f"model.layers.{i}.mlp.experts": ("bf16" if i == n - 1 else "mxfp8")
-                                   for i in range(n)}
+    assert built.layout_layers == {
+        f"model.layers.{i}.mlp.experts": ("bf16" if i == n - 1 else "mxfp8") for i in range(n)
+    }
     assert vars(opts) == before
     assert sum(j.fmt.endswith("+trtllm") for j in built.jobs) == n
 
@@ -71,8 +72,7 @@ def test_layout_jobs_name_the_non_finite_tensor_as_plain_jobs_do(tmp_path, schem
     opts = ConvertOptions(scheme=scheme, layout="flashinfer-trtllm", progress=False, fsync=False, **extra)
     with pytest.raises(CheckpointError) as e:
         convert(str(src), dst, opts=opts)
-    assert str(e.value) == (f"tensor {EXPERT!r} contains NaN or Inf; fix the source weights or pass "
-                            "--allow-non-finite")
+    assert str(e.value) == (f"tensor {EXPERT!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
     assert not dst.exists()
     opts.allow_non_finite = True
     convert(str(src), dst, opts=opts)
@@ -96,9 +96,13 @@ def test_layout_jobs_quantize_on_all_cores_as_plain_jobs_do(demo_moe, tmp_path, 
     def spy(x, workers=None, blocks_fn=None):
         seen.append((threading.current_thread().name, workers, tuple(x.shape)))
         return real(x, workers=workers, blocks_fn=blocks_fn)
+
     monkeypatch.setattr("qconvert.convert.jobs.mxfp8_quantize", spy)
-    res = convert(str(demo_moe), tmp_path / "out", opts=ConvertOptions(scheme="mxfp8", layout="flashinfer-trtllm",
-                                                                       progress=False, fsync=False))
+    res = convert(
+        str(demo_moe),
+        tmp_path / "out",
+        opts=ConvertOptions(scheme="mxfp8", layout="flashinfer-trtllm", progress=False, fsync=False),
+    )
     experts = [t for t in res.plan.quantized if ".experts." in t.name]
     assert experts and len(seen) == res.n_quantized, (len(seen), res.n_quantized)
     on_layout = [(name, w) for name, w, _ in seen if name.startswith("qconvert-layout")]

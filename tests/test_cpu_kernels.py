@@ -100,15 +100,32 @@ def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
     they must be the bits of the tensor ops the CUDA and chain paths use, over the whole fp32 range
     and its edges: 0, subnormals, either side of TE's S_enc clamp (2688 / FLT_MAX), FLT_MAX, inf, NaN."""
     clamp = np.float32(2688.0) / np.float32(np.finfo(np.float32).max)
-    gs = [0.0, 1.4e-45, 7.2e-43, 1e-38, 1e-36, float(clamp), 3e38, float(np.finfo(np.float32).max),
-          float("inf"), float("nan"), 1.0, 2688.0, 0.1, 448.0, 6.0]
+    gs = [
+        0.0,
+        1.4e-45,
+        7.2e-43,
+        1e-38,
+        1e-36,
+        float(clamp),
+        3e38,
+        float(np.finfo(np.float32).max),
+        float("inf"),
+        float("nan"),
+        1.0,
+        2688.0,
+        0.1,
+        448.0,
+        6.0,
+    ]
     gs += [float(np.nextafter(clamp, np.float32(d))) for d in (0, 1)]
     gs += [float(v) for v in np.random.default_rng(0).random(200).astype(np.float32) * 10.0 ** np.arange(-20, 20, 0.2)]
     for gv in gs:
         g = torch.tensor(gv, dtype=torch.float32)
         s2, k0, k1 = nvfp4.cpu_tensor_scalars(np.float32(gv), recipe)
         ref_s2 = nvfp4.recipe_scale_2(g, recipe)
-        ref_k0, ref_k1 = nvfp4.te_tensor_scalars(g) if recipe == "te" else (nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2)
+        ref_k0, ref_k1 = (
+            nvfp4.te_tensor_scalars(g) if recipe == "te" else (nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2)
+        )
         got = [_f32_bits(v) for v in (s2, k0, k1)]
         want = [int(t.view(torch.int32)) & 0xFFFFFFFF for t in (ref_s2, ref_k0, ref_k1)]
         assert got == want, (gv, got, want)
@@ -144,14 +161,20 @@ def test_non_contiguous_and_fp16_inputs_use_the_chain_with_the_same_bytes():
 
 def test_disabled_or_no_compiler_falls_back_to_the_chain(tmp_path):
     """QCONVERT_CPU_KERNELS=0, and a CC that does not exist: the chains run, the bytes are equal."""
-    code = ("import torch; from qconvert.convert.numerics import cpu_kernels as c, mxfp8_quantize as q;"
-            "x = (torch.randn(4096, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16();"
-            "a, s = q(x); print(c.status()); print(int(a.view(torch.uint8).int().sum()), int(s.int().sum()))")
+    code = (
+        "import torch; from qconvert.convert.numerics import cpu_kernels as c, mxfp8_quantize as q;"
+        "x = (torch.randn(4096, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16();"
+        "a, s = q(x); print(c.status()); print(int(a.view(torch.uint8).int().sum()), int(s.int().sum()))"
+    )
     outs = []
-    for env in ({"QCONVERT_CPU_KERNELS": "0"}, {"CC": str(tmp_path / "no-such-cc"), "QCONVERT_CACHE_DIR": str(tmp_path)},
-                {"QCONVERT_CACHE_DIR": str(tmp_path / "fresh")}):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, **env})
+    for env in (
+        {"QCONVERT_CPU_KERNELS": "0"},
+        {"CC": str(tmp_path / "no-such-cc"), "QCONVERT_CACHE_DIR": str(tmp_path)},
+        {"QCONVERT_CACHE_DIR": str(tmp_path / "fresh")},
+    ):
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout.splitlines())
     assert "disabled by QCONVERT_CPU_KERNELS=0" in outs[0][0]
@@ -192,8 +215,12 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
             monkeypatch.setattr(cpu_kernels, "_state", state)
         for scheme in ("mxfp8", "nvfp4"):
             dst = tmp_path / f"{name}-{scheme}"
-            res = convert(str(demo_moe), str(dst), scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme),
-                                                                          progress=False))
+            res = convert(
+                str(demo_moe),
+                str(dst),
+                scheme,
+                ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False),
+            )
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
             notes.append(" ".join(res.notes))
     assert digests[0] == digests[2] and digests[1] == digests[3]
@@ -205,10 +232,17 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
 def test_abs_max_equals_torch(workers):
     """The global amax of NVFP4 and the finiteness check: max |x| exactly, NaN if any NaN."""
     allbf = kc._all_bf16(nan=False)
-    big = torch.cat([allbf[torch.randperm(allbf.numel(), generator=torch.Generator().manual_seed(s))]
-                     for s in range(40)])  # > 2M elements: several chunks
-    cases = [allbf, big, torch.zeros(5, dtype=torch.bfloat16), (torch.randn(3_000_001) * 1e30).float(),
-             torch.tensor([-0.0, -1e-45, 3.0]), allbf.float()]
+    big = torch.cat(
+        [allbf[torch.randperm(allbf.numel(), generator=torch.Generator().manual_seed(s))] for s in range(40)]
+    )  # > 2M elements: several chunks
+    cases = [
+        allbf,
+        big,
+        torch.zeros(5, dtype=torch.bfloat16),
+        (torch.randn(3_000_001) * 1e30).float(),
+        torch.tensor([-0.0, -1e-45, 3.0]),
+        allbf.float(),
+    ]
     for x in cases:
         ref = x.float().abs().max()
         got = cpu_kernels.abs_max(x, workers)
@@ -217,7 +251,7 @@ def test_abs_max_equals_torch(workers):
         x = big.clone()
         x[1_234_567] = bad
         got = cpu_kernels.abs_max(x, workers)
-        assert (torch.isnan(got) if bad != bad else got == float("inf"))
+        assert torch.isnan(got) if bad != bad else got == float("inf")
 
 
 _SELF_CHECK_RUN = """
@@ -242,8 +276,13 @@ def _run_mutated(tmp_path, old: str, new: str) -> list[str]:
     assert src.count(old) == 1, old
     mutated = tmp_path / "cpu_kernels.c"
     mutated.write_text(src.replace(old, new))
-    r = subprocess.run([sys.executable, "-c", _SELF_CHECK_RUN, str(mutated)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "QCONVERT_CACHE_DIR": str(tmp_path / "cache")})
+    r = subprocess.run(
+        [sys.executable, "-c", _SELF_CHECK_RUN, str(mutated)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "QCONVERT_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 

@@ -73,8 +73,9 @@ def test_partial_programs_and_3d(blocks):
 def test_empty():
     q, s = cuda_kernels.mxfp8_blocks(torch.empty(0, 32, dtype=torch.bfloat16, device="cuda"))
     assert q.shape == (0, 32) and s.shape == (0,)
-    p, sc, s2 = cuda_kernels.nvfp4_blocks(torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"),
-                                          torch.tensor(0.0, device="cuda"))
+    p, sc, s2 = cuda_kernels.nvfp4_blocks(
+        torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"), torch.tensor(0.0, device="cuda")
+    )
     assert p.shape == (0, 8) and sc.shape == (0,) and float(s2) == 0.0
 
 
@@ -96,6 +97,7 @@ def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
             with torch.cuda.stream(stream):
                 convert(str(src), str(dst), scheme, opts)
             import json
+
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
         assert digests[0] == digests[1] == digests[2], scheme
 
@@ -109,16 +111,28 @@ def test_pinned_reads_and_copies_back(tmp_path):
     from qconvert.convert.safetensors_io import ShardReader, read_header
 
     g = torch.Generator().manual_seed(5)
-    tensors = {"a": torch.randn(768, 2048, generator=g).bfloat16(), "b": torch.randn(3, 5, generator=g),
-               "c": torch.zeros(0, 16, dtype=torch.bfloat16), "d": torch.arange(7, dtype=torch.int32)}
+    tensors = {
+        "a": torch.randn(768, 2048, generator=g).bfloat16(),
+        "b": torch.randn(3, 5, generator=g),
+        "c": torch.zeros(0, 16, dtype=torch.bfloat16),
+        "d": torch.arange(7, dtype=torch.int32),
+    }
     save_file(tensors, tmp_path / "x.safetensors")
     ref = load_file(tmp_path / "x.safetensors")
-    with ShardReader(read_header(tmp_path / "x.safetensors"), hash_file=False, mapped=True, pinned={"a", "c", "d"}) as r:
+    with ShardReader(
+        read_header(tmp_path / "x.safetensors"), hash_file=False, mapped=True, pinned={"a", "c", "d"}
+    ) as r:
         got = dict((e.name, t) for e, t in r.iter_tensors())
     for n, t in got.items():
         assert t.is_pinned() == (n in ("a", "d")), n  # "b" stays a mapping; "c" has no bytes to pin
-        assert t.dtype == ref[n].dtype and torch.equal(t.view(torch.uint8) if t.numel() else t, ref[n].view(torch.uint8) if t.numel() else ref[n]), n
-    for x in (ref["a"].cuda(), torch.randn(5, 3, device="cuda").to(torch.float8_e4m3fn), torch.tensor(2.5, device="cuda")):
+        assert t.dtype == ref[n].dtype and torch.equal(
+            t.view(torch.uint8) if t.numel() else t, ref[n].view(torch.uint8) if t.numel() else ref[n]
+        ), n
+    for x in (
+        ref["a"].cuda(),
+        torch.randn(5, 3, device="cuda").to(torch.float8_e4m3fn),
+        torch.tensor(2.5, device="cuda"),
+    ):
         h = _to_host(x)
         assert h.is_pinned() and h.device.type == "cpu" and h.dtype == x.dtype and h.shape == x.shape
         assert torch.equal(h.view(torch.uint8) if h.dim() else h, x.cpu().view(torch.uint8) if x.dim() else x.cpu())
@@ -134,4 +148,6 @@ def test_tensors_on_another_gpu_than_the_current_one():
         p, sc, _ = cuda_kernels.nvfp4_blocks(x.to("cuda:1").reshape(-1, 16), _global_amax(x, None).to("cuda:1"))
     assert q.device.index == 1 and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s.cpu(), s_ref.reshape(-1))
-    assert torch.equal(p.cpu(), p_ref.reshape(-1, 8)) and torch.equal(sc.cpu().view(torch.uint8), sc_ref.reshape(-1).view(torch.uint8))
+    assert torch.equal(p.cpu(), p_ref.reshape(-1, 8)) and torch.equal(
+        sc.cpu().view(torch.uint8), sc_ref.reshape(-1).view(torch.uint8)
+    )

@@ -31,10 +31,19 @@ PKG = ROOT / "qconvert"
 
 #: string constants that belong to the on-disk contract and may be spelled only in qconvert/formats/
 CONTRACT_LITERALS = {
-    manifest.MANIFEST_NAME, dialects.HF_QUANT_CONFIG,
-    exclusions.IGNORED_LAYERS, exclusions.MODULES_TO_NOT_CONVERT, exclusions.IGNORE, exclusions.EXCLUDE_MODULES,
-    dialects.WEIGHT_SCALE, dialects.WEIGHT_SCALE_INV, dialects.WEIGHT_SCALE_2, dialects.WEIGHT_GLOBAL_SCALE,
-    dialects.WEIGHT_PACKED, dialects.INPUT_SCALE, dialects.INPUT_GLOBAL_SCALE,
+    manifest.MANIFEST_NAME,
+    dialects.HF_QUANT_CONFIG,
+    exclusions.IGNORED_LAYERS,
+    exclusions.MODULES_TO_NOT_CONVERT,
+    exclusions.IGNORE,
+    exclusions.EXCLUDE_MODULES,
+    dialects.WEIGHT_SCALE,
+    dialects.WEIGHT_SCALE_INV,
+    dialects.WEIGHT_SCALE_2,
+    dialects.WEIGHT_GLOBAL_SCALE,
+    dialects.WEIGHT_PACKED,
+    dialects.INPUT_SCALE,
+    dialects.INPUT_GLOBAL_SCALE,
 }
 #: (file, literal): the same word meaning something else there
 ALLOWED = {
@@ -70,14 +79,19 @@ def test_the_scan_sees_a_literal(tmp_path):
     """The scan above can fail: the same walk finds the manifest name in a module that spells it."""
     tree = ast.parse('p = root / "qconvert.json"\nq = {"ignore": []}\nwith np.errstate(all="ignore"): pass\n')
     kw = _keyword_values(tree)
-    hits = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in CONTRACT_LITERALS
-            and not (n.value == "ignore" and id(n) in kw)]
+    hits = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and n.value in CONTRACT_LITERALS and not (n.value == "ignore" and id(n) in kw)
+    ]
     assert hits == ["qconvert.json", "ignore"]
 
 
 def test_formats_imports_no_torch():
-    code = ("import sys\nimport qconvert.formats.schemes, qconvert.formats.dialects, qconvert.formats.exclusions, "
-            "qconvert.formats.manifest, qconvert.formats.detect\nprint(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys\nimport qconvert.formats.schemes, qconvert.formats.dialects, qconvert.formats.exclusions, "
+        "qconvert.formats.manifest, qconvert.formats.detect\nprint(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -106,10 +120,16 @@ EXCL = ["model.layers.1.", "model.layers.2.mlp.experts", "model.layers.3.self_at
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("scheme,dialect,input_mode", [
-    ("mxfp8", "auto", None), ("nvfp4", "modelopt", "weight-only"), ("nvfp4", "modelopt", "unit"),
-    ("nvfp4", "compressed-tensors", "weight-only"), ("nvfp4", "compressed-tensors", "unit"),
-])
+@pytest.mark.parametrize(
+    "scheme,dialect,input_mode",
+    [
+        ("mxfp8", "auto", None),
+        ("nvfp4", "modelopt", "weight-only"),
+        ("nvfp4", "modelopt", "unit"),
+        ("nvfp4", "compressed-tensors", "weight-only"),
+        ("nvfp4", "compressed-tensors", "unit"),
+    ],
+)
 def test_vllm_parses_the_written_config(scheme, dialect, input_mode):
     """vLLM's own config class takes what quant_config writes, with our block size and list."""
     pytest.importorskip("vllm")
@@ -138,11 +158,25 @@ def test_ct_matcher_is_vllms():
     rng = random.Random(0)
     mods = ["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.gate_proj", "mlp.experts"]
     for _ in range(300):
-        entries = sorted({rng.choice([f"model.layers.{rng.randrange(12)}.",
-                                      f"model.layers.{rng.randrange(12)}.{rng.choice(mods)}", "lm_head"])
-                          for _ in range(rng.randrange(1, 5))})
-        prefix = rng.choice([f"model.layers.{rng.randrange(12)}.{rng.choice(mods)}", "lm_head",
-                             f"model.layers.1{rng.randrange(3)}.{rng.choice(mods)}"])
+        entries = sorted(
+            {
+                rng.choice(
+                    [
+                        f"model.layers.{rng.randrange(12)}.",
+                        f"model.layers.{rng.randrange(12)}.{rng.choice(mods)}",
+                        "lm_head",
+                    ]
+                )
+                for _ in range(rng.randrange(1, 5))
+            }
+        )
+        prefix = rng.choice(
+            [
+                f"model.layers.{rng.randrange(12)}.{rng.choice(mods)}",
+                "lm_head",
+                f"model.layers.1{rng.randrange(3)}.{rng.choice(mods)}",
+            ]
+        )
         forms = exclusions.ct_ignore(entries)
         assert exclusions.ct_excluded(prefix, forms) == should_ignore_layer(prefix, forms), (prefix, forms)
 
@@ -152,18 +186,28 @@ def _fake_modules(scheme: str, dialect: str, input_mode: str | None) -> dict[str
     import torch
 
     tag = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.float32: "F32"}
-    outs = (dialects.mxfp8_out_tensors("model.layers.0.mlp.down_proj", (64, 128), dialect) if scheme == "mxfp8" else
-            dialects.nvfp4_out_tensors("model.layers.0.mlp.down_proj", (64, 128), dialect, input_mode))
+    outs = (
+        dialects.mxfp8_out_tensors("model.layers.0.mlp.down_proj", (64, 128), dialect)
+        if scheme == "mxfp8"
+        else dialects.nvfp4_out_tensors("model.layers.0.mlp.down_proj", (64, 128), dialect, input_mode)
+    )
     entries = {o.name: SimpleNamespace(name=o.name, dtype=tag[o.dtype], shape=list(o.shape), nbytes=0) for o in outs}
     entries["model.norm.weight"] = SimpleNamespace(name="model.norm.weight", dtype="BF16", shape=[64], nbytes=128)
     return D.modules_of(entries)
 
 
-@pytest.mark.parametrize("scheme,dialect,input_mode", [
-    ("mxfp8", "auto", None), ("mxfp8", "sglang", None), ("mxfp8", "modelopt", None),
-    ("nvfp4", "modelopt", "weight-only"), ("nvfp4", "modelopt", "unit"),
-    ("nvfp4", "compressed-tensors", "weight-only"), ("nvfp4", "compressed-tensors", "unit"),
-])
+@pytest.mark.parametrize(
+    "scheme,dialect,input_mode",
+    [
+        ("mxfp8", "auto", None),
+        ("mxfp8", "sglang", None),
+        ("mxfp8", "modelopt", None),
+        ("nvfp4", "modelopt", "weight-only"),
+        ("nvfp4", "modelopt", "unit"),
+        ("nvfp4", "compressed-tensors", "weight-only"),
+        ("nvfp4", "compressed-tensors", "unit"),
+    ],
+)
 def test_detect_reads_back_what_the_dialect_writes(scheme, dialect, input_mode):
     qc, extra = dialects.quant_config(scheme, dialect, EXCL, input_mode)
     mods = _fake_modules(scheme, dialect, input_mode)
@@ -180,18 +224,21 @@ def test_detect_reads_back_what_the_dialect_writes(scheme, dialect, input_mode):
     for key in exclusions.EXCLUSION_KEYS[(scheme, dialect)]:
         want = exclusions.ct_ignore(EXCL) if dialect == "compressed-tensors" else EXCL
         assert det.exclusion_keys[f"config.json quantization_config.{key}"] == want
-    assert D.nvfp4_activations(mods, []) == (None if scheme == "mxfp8" else
-                                              "W4A16" if input_mode == "weight-only" else "W4A4")
+    assert D.nvfp4_activations(mods, []) == (
+        None if scheme == "mxfp8" else "W4A16" if input_mode == "weight-only" else "W4A4"
+    )
 
 
 def test_findings_are_codes():
     qc, _ = dialects.quant_config("mxfp8", "auto", [], None)
     mods = _fake_modules("mxfp8", "auto", None)
-    det = D.detect({"quantization_config": qc}, None, {manifest.VERSION_KEY: "x", "scheme": "nvfp4", "dialect": "auto"},
-                   mods)
+    det = D.detect(
+        {"quantization_config": qc}, None, {manifest.VERSION_KEY: "x", "scheme": "nvfp4", "dialect": "auto"}, mods
+    )
     assert [f.code for f in det.findings] == [D.Code.MANIFEST_DISAGREES]
     assert det.findings[0].conflict and det.conflicts == [
-        "qconvert.json says nvfp4/auto but config and tensors say mxfp8/auto"]
+        "qconvert.json says nvfp4/auto but config and tensors say mxfp8/auto"
+    ]
     det = D.detect({"quantization_config": {"quant_method": "awq"}}, None, None, mods)
     assert [f.code for f in det.findings] == [D.Code.UNKNOWN_QUANT_METHOD] and det.conflicts == []
     assert not det.verifiable and det.scheme == "unknown"
@@ -202,8 +249,11 @@ def test_findings_are_codes():
 def test_plan_reasons_are_codes():
     """Each kept or quantized weight carries its Reason; the text (manifest, dry-run plan) renders from it."""
     cfg = {"architectures": ["Foo"], "num_hidden_layers": 2, "tie_word_embeddings": False}
-    inv = {"model.embed_tokens.weight": ("BF16", (256, 64)), "lm_head.weight": ("BF16", (256, 64)),
-           "model.norm.weight": ("BF16", (64,))}
+    inv = {
+        "model.embed_tokens.weight": ("BF16", (256, 64)),
+        "lm_head.weight": ("BF16", (256, 64)),
+        "model.norm.weight": ("BF16", (64,)),
+    }
     for i in range(2):
         inv[f"model.layers.{i}.self_attn.q_proj.weight"] = ("BF16", (64, 64))
         inv[f"model.layers.{i}.self_attn.k_proj.weight"] = ("BF16", (64, 64 if i else 48))  # K=48: not /32
@@ -216,7 +266,10 @@ def test_plan_reasons_are_codes():
     k = t["model.layers.0.self_attn.k_proj.weight"]
     assert k.code is Reason.K_NOT_MULTIPLE and k.reason == "K=48 not a multiple of 32"
     q = t["model.layers.0.self_attn.q_proj.weight"]  # kept with its fused group
-    assert q.code is Reason.FUSED_WITH and q.reason == "fused with model.layers.0.self_attn.k_proj (K=48 not a multiple of 32)"
+    assert (
+        q.code is Reason.FUSED_WITH
+        and q.reason == "fused with model.layers.0.self_attn.k_proj (K=48 not a multiple of 32)"
+    )
     assert {k.code, q.code} <= NOTABLE_REASONS and Reason.LINEAR not in NOTABLE_REASONS
     assert t["model.norm.weight"].code is Reason.NOT_2D and t["model.norm.weight"].reason == "1-D"
     assert all(x.code is not None for x in t.values())

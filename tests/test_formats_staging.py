@@ -15,15 +15,31 @@ from qconvert.formats import staging as fs
 
 
 def _spec(tp=1, ep=1, ranked=False) -> fs.AreaSpec:
-    files = [fs.FileSpec("g00000-00.safetensors", 1024, None,
-                         {"model.embed_tokens.weight": fs.TensorSpec("BF16", (4, 64), 256),
-                          "model.norm.weight": fs.TensorSpec("BF16", (64,), 768)})]
+    files = [
+        fs.FileSpec(
+            "g00000-00.safetensors",
+            1024,
+            None,
+            {
+                "model.embed_tokens.weight": fs.TensorSpec("BF16", (4, 64), 256),
+                "model.norm.weight": fs.TensorSpec("BF16", (64,), 768),
+            },
+        )
+    ]
     if ranked:
         for r in range(tp):
             for q in range(ep):
-                files.append(fs.FileSpec(fs.file_name(1, 0, (r, q)), 512, (r, q),
-                                         {"model.layers.0.mlp.experts.w13_weight": fs.TensorSpec("U8", (2, 128), 256)}))
-    return fs.AreaSpec({"architectures": ["X"], "num_tensors": 3}, fs.DIGEST_XXH3, tp, ep, tuple(files), ("config.json",))
+                files.append(
+                    fs.FileSpec(
+                        fs.file_name(1, 0, (r, q)),
+                        512,
+                        (r, q),
+                        {"model.layers.0.mlp.experts.w13_weight": fs.TensorSpec("U8", (2, 128), 256)},
+                    )
+                )
+    return fs.AreaSpec(
+        {"architectures": ["X"], "num_tensors": 3}, fs.DIGEST_XXH3, tp, ep, tuple(files), ("config.json",)
+    )
 
 
 def _write_area(root, spec: fs.AreaSpec, slot=0, version=1):
@@ -63,24 +79,34 @@ def _mutate(path, fn):
     return doc
 
 
-@pytest.mark.parametrize("fn,words", [
-    (lambda d: d.update(format="qconvert-staging/3"), "unknown format"),
-    (lambda d: d.update(digest="md5"), "digest kind"),
-    (lambda d: d.update(tp=0), "tp is 0"),
-    (lambda d: d["files"][0]["tensors"]["model.embed_tokens.weight"].update(offset=300), "not a multiple of 256"),
-    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[1000]), "past its file"),
-    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[3], offset=769), "not a multiple of 256"),
-    (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(dtype="F4"), "unknown"),
-    (lambda d: d["files"][1].update(rank=[5, 0]), "outside tp=2"),
-    (lambda d: d["files"][1].update(rank=[1, 0]), "disagree"),
-    (lambda d: d["files"][1].update(rank=None), "disagree"),
-    (lambda d: d["files"][1].update(name="../x.safetensors"), "not a staging file name"),
-    (lambda d: d["files"].append(dict(d["files"][0])), "listed twice"),
-    (lambda d: d["files"][1]["tensors"].update({"model.norm.weight": {"dtype": "BF16", "shape": [1], "offset": 0}}),
-     "both replicated and per-rank"),
-    (lambda d: d.update(extra_files=["../config.json"]), "extra_files"),
-    (lambda d: d.update(extra_files=["commit.json"]), "staging file"),
-])
+@pytest.mark.parametrize(
+    "fn,words",
+    [
+        (lambda d: d.update(format="qconvert-staging/3"), "unknown format"),
+        (lambda d: d.update(digest="md5"), "digest kind"),
+        (lambda d: d.update(tp=0), "tp is 0"),
+        (lambda d: d["files"][0]["tensors"]["model.embed_tokens.weight"].update(offset=300), "not a multiple of 256"),
+        (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[1000]), "past its file"),
+        (
+            lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(shape=[3], offset=769),
+            "not a multiple of 256",
+        ),
+        (lambda d: d["files"][0]["tensors"]["model.norm.weight"].update(dtype="F4"), "unknown"),
+        (lambda d: d["files"][1].update(rank=[5, 0]), "outside tp=2"),
+        (lambda d: d["files"][1].update(rank=[1, 0]), "disagree"),
+        (lambda d: d["files"][1].update(rank=None), "disagree"),
+        (lambda d: d["files"][1].update(name="../x.safetensors"), "not a staging file name"),
+        (lambda d: d["files"].append(dict(d["files"][0])), "listed twice"),
+        (
+            lambda d: d["files"][1]["tensors"].update(
+                {"model.norm.weight": {"dtype": "BF16", "shape": [1], "offset": 0}}
+            ),
+            "both replicated and per-rank",
+        ),
+        (lambda d: d.update(extra_files=["../config.json"]), "extra_files"),
+        (lambda d: d.update(extra_files=["commit.json"]), "staging file"),
+    ],
+)
 def test_area_json_refused(fn, words):
     doc = _mutate(None, fn)
     with pytest.raises(fs.StagingError, match=words) as e:
@@ -100,7 +126,7 @@ def test_mismatch_names_the_tensor():
     c = fs.AreaSpec(a.contract, a.digest, 1, 1, (fs.FileSpec(files[0].name, 1024, None, t),), a.extra_files)
     assert a.mismatch(c) == "tensor model.norm.weight is missing"
     assert c.mismatch(a) == "tensor model.norm.weight is not in the area"
-    assert a.mismatch(fs.AreaSpec(a.contract, a.digest, 2, 1, a.files)) .startswith("tp/ep 2/1")
+    assert a.mismatch(fs.AreaSpec(a.contract, a.digest, 2, 1, a.files)).startswith("tp/ep 2/1")
     d = fs.AreaSpec(dict(a.contract, num_tensors=4), a.digest, 1, 1, a.files, a.extra_files)
     assert a.mismatch(d) == "the layout contract differs in num_tensors"
 
@@ -110,9 +136,15 @@ def test_commit_validation():
     good = {"slot": 1, "version": 7, "digests": {"g00000-00.safetensors": "0" * 32}, "time": 5}
     c = fs.parse_commit(good, spec)
     assert (c.slot, c.version, c.time) == (1, 7, 5.0) and fs.next_slot(c) == 0 and fs.next_slot(None) == 0
-    for bad, words in [(dict(good, slot=2), "slot"), (dict(good, slot=True), "slot"), (dict(good, version=0), "version"),
-                       (dict(good, digests={}), "exactly"), (dict(good, digests={"g00000-00.safetensors": "0" * 64}), "hex"),
-                       (dict(good, digests={"g00000-00.safetensors": "A" * 32}), "hex"), (dict(good, time="x"), "time")]:
+    for bad, words in [
+        (dict(good, slot=2), "slot"),
+        (dict(good, slot=True), "slot"),
+        (dict(good, version=0), "version"),
+        (dict(good, digests={}), "exactly"),
+        (dict(good, digests={"g00000-00.safetensors": "0" * 64}), "hex"),
+        (dict(good, digests={"g00000-00.safetensors": "A" * 32}), "hex"),
+        (dict(good, time="x"), "time"),
+    ]:
         with pytest.raises(fs.StagingError, match=words):
             fs.parse_commit(bad, spec)
 
@@ -131,7 +163,14 @@ def test_read_area_v2_and_ranks(tmp_path):
     assert oct(os.stat(root / fs.COMMIT_JSON).st_mode & 0o777) == "0o600"
     v = fs.read_area(root)
     assert (v.format, v.directory, v.slot, v.version, v.digest, v.tp, v.ep) == (
-        fs.FORMAT_V2, root / "slot-1", 1, 3, "xxh3_128", 2, 2)
+        fs.FORMAT_V2,
+        root / "slot-1",
+        1,
+        3,
+        "xxh3_128",
+        2,
+        2,
+    )
     assert v.digests == c.digests and v.extra_files == ("config.json",) and v.contract == spec.contract
     assert [f.name for f in fs.files_for_rank(v, 1, 0)] == ["g00000-00.safetensors", "g00001-tp1-ep0-00.safetensors"]
     assert [f.name for f in fs.files_for_rank(v, 0, 1)] == ["g00000-00.safetensors", "g00001-tp0-ep1-00.safetensors"]
@@ -155,14 +194,32 @@ def test_read_area_refuses_links_and_others(tmp_path):
 
 
 def _v1_manifest(ranks=False):
-    files = {"g00000-00.safetensors": {"size": 1024, "sha256": "a" * 64},
-             "config.json": {"size": 10, "sha256": "b" * 64}}
-    tensors = {"w": {"file": "g00000-00.safetensors", "offset": 256, "nbytes": 512, "dtype": "BF16",
-                     "shape": [4, 64], "group": 0}}
+    files = {
+        "g00000-00.safetensors": {"size": 1024, "sha256": "a" * 64},
+        "config.json": {"size": 10, "sha256": "b" * 64},
+    }
+    tensors = {
+        "w": {
+            "file": "g00000-00.safetensors",
+            "offset": 256,
+            "nbytes": 512,
+            "dtype": "BF16",
+            "shape": [4, 64],
+            "group": 0,
+        }
+    }
     if ranks:
         files["g00000-00.safetensors"]["rank"] = [1, 0]
-    body = {"format": "qconvert-staging/1", "name": "n", "source": "", "created": 0, "alignment": 256,
-            "contract": {"num_tensors": 1}, "files": files, "tensors": tensors}
+    body = {
+        "format": "qconvert-staging/1",
+        "name": "n",
+        "source": "",
+        "created": 0,
+        "alignment": 256,
+        "contract": {"num_tensors": 1},
+        "files": files,
+        "tensors": tensors,
+    }
     if ranks:
         body["tp"] = 2
     return dict(body, manifest_sha256=fs.manifest_digest_v1(body))

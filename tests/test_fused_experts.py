@@ -32,15 +32,20 @@ def _load_dir(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def fuse(tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int, orientation: str = "out_in",
-         suffix: str = "") -> dict[str, torch.Tensor]:
+def fuse(
+    tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int, orientation: str = "out_in", suffix: str = ""
+) -> dict[str, torch.Tensor]:
     """The split checkpoint's experts as transformers 5 stores them: gate_up_proj [E, 2I, H] (gate
     first), down_proj [E, H, I]; ``in_out`` transposes each expert's matrix."""
     out = {n: t for n, t in tensors.items() if ".experts." not in n}
     for i in range(num_layers):
         p = f"model.layers.{i}.mlp.experts."
-        gu = torch.stack([torch.cat([tensors[f"{p}{e}.gate_proj.weight"], tensors[f"{p}{e}.up_proj.weight"]])
-                          for e in range(num_experts)])
+        gu = torch.stack(
+            [
+                torch.cat([tensors[f"{p}{e}.gate_proj.weight"], tensors[f"{p}{e}.up_proj.weight"]])
+                for e in range(num_experts)
+            ]
+        )
         dn = torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(num_experts)])
         if orientation == "in_out":
             gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
@@ -49,8 +54,9 @@ def fuse(tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int, or
     return out
 
 
-def write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict | None = None,
-               n_shards: int = 2) -> Path:
+def write_like(
+    src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict | None = None, n_shards: int = 2
+) -> Path:
     """A checkpoint with ``src``'s other files and ``tensors``."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
@@ -118,8 +124,13 @@ CASES = {
 
 
 def _opts(scheme, last_n_bf16=0, layout=None, input_mode="weight-only"):
-    return ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16), layout=layout,
-                          input_mode=input_mode, fsync=False)
+    return ConvertOptions(
+        scheme=scheme,
+        plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16),
+        layout=layout,
+        input_mode=input_mode,
+        fsync=False,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -130,6 +141,7 @@ def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, mon
     kw = CASES[case]
     if form == "in_out_w":  # every job on the dispatch thread: a merged job's parts run side by side
         from qconvert.convert import kernels
+
         monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", 0)
     a = convert(str(demo_moe), tmp_path / "split", opts=_opts(**kw))
     b = convert(str(fused_dirs[form]), tmp_path / "fused", opts=_opts(**kw))
@@ -142,8 +154,9 @@ def test_bytes_equal_split_first(case, form, demo_moe, fused_dirs, tmp_path, mon
     cb = json.loads((tmp_path / "fused" / "config.json").read_text())
     assert ca.get("quantization_config") == cb.get("quantization_config")
     assert a.plan.exclusions == b.plan.exclusions
-    assert sorted((r.module, r.action, r.fmt, r.bytes_in, r.bytes_out) for r in a.rows) == \
-           sorted((r.module, r.action, r.fmt, r.bytes_in, r.bytes_out) for r in b.rows)
+    assert sorted((r.module, r.action, r.fmt, r.bytes_in, r.bytes_out) for r in a.rows) == sorted(
+        (r.module, r.action, r.fmt, r.bytes_in, r.bytes_out) for r in b.rows
+    )
 
 
 def _refused(tmp_path, demo_moe, tensors, config, match, code):
@@ -170,9 +183,12 @@ def test_wrong_orientation_in_one_layer_caught(demo_moe, split_tensors, config, 
 def test_siblings_disagreeing_refused(config):
     """gate_up_proj [E, 2I, H] beside down_proj [E, I, H] (2I != H): the layer contradicts itself."""
     from qconvert.convert import fused
+
     e, h, i = config["num_experts"], config["hidden_size"], 64
-    inv = {"model.layers.0.mlp.experts.gate_up_proj": ("BF16", (e, 2 * i, h)),
-           "model.layers.0.mlp.experts.down_proj": ("BF16", (e, i, h))}
+    inv = {
+        "model.layers.0.mlp.experts.gate_up_proj": ("BF16", (e, 2 * i, h)),
+        "model.layers.0.mlp.experts.down_proj": ("BF16", (e, i, h)),
+    }
     with pytest.raises(PlanError, match="different orientations") as ei:
         fused.expand(inv, dict(config, moe_intermediate_size=i))
     assert ei.value.code == Refusal.SIBLINGS_DISAGREE
@@ -200,10 +216,13 @@ def test_square_without_sibling_refused(demo_moe, split_tensors, config, tmp_pat
 
 def test_square_with_sibling_decides(demo_moe, config, tmp_path):
     from qconvert.convert import fused
+
     e, h = config["num_experts"], config["hidden_size"]
     cfg = dict(config, moe_intermediate_size=h)
-    inv = {"model.layers.0.mlp.experts.gate_up_proj": ("BF16", (e, h, 2 * h)),
-           "model.layers.0.mlp.experts.down_proj": ("BF16", (e, h, h))}
+    inv = {
+        "model.layers.0.mlp.experts.gate_up_proj": ("BF16", (e, h, 2 * h)),
+        "model.layers.0.mlp.experts.down_proj": ("BF16", (e, h, h)),
+    }
     _, views = fused.expand(inv, cfg)
     assert {v.orientation for v in views.values()} == {fused.IN_OUT}
 
@@ -226,14 +245,22 @@ def test_wrong_shape_refused(demo_moe, split_tensors, config, tmp_path):
     _refused(tmp_path, demo_moe, t, config, "do not belong to this config.json", Refusal.SHAPE)
 
 
-@pytest.mark.parametrize("arch,match,code", [
-    ("GptOssForCausalLM", "gpt-oss", Refusal.REFUSED_ARCH), ("MixtralForCausalLM", "Mixtral", Refusal.REFUSED_ARCH),
-    ("Llama4ForConditionalGeneration", "Llama 4", Refusal.REFUSED_ARCH),
-    ("SomethingMoeForCausalLM", "does not know what engines load", Refusal.UNKNOWN_ARCH)])
+@pytest.mark.parametrize(
+    "arch,match,code",
+    [
+        ("GptOssForCausalLM", "gpt-oss", Refusal.REFUSED_ARCH),
+        ("MixtralForCausalLM", "Mixtral", Refusal.REFUSED_ARCH),
+        ("Llama4ForConditionalGeneration", "Llama 4", Refusal.REFUSED_ARCH),
+        ("SomethingMoeForCausalLM", "does not know what engines load", Refusal.UNKNOWN_ARCH),
+    ],
+)
 def test_unsupported_architectures_refused(arch, match, code, demo_moe, split_tensors, config, tmp_path):
     from qconvert.convert import fused
-    inv = {n: ("BF16", tuple(v.shape)) for n, v in
-           fuse(split_tensors, config["num_hidden_layers"], config["num_experts"]).items()}
+
+    inv = {
+        n: ("BF16", tuple(v.shape))
+        for n, v in fuse(split_tensors, config["num_hidden_layers"], config["num_experts"]).items()
+    }
     with pytest.raises(PlanError, match=match) as ei:
         fused.expand(inv, dict(config, architectures=[arch]))
     assert ei.value.code == code
@@ -259,21 +286,25 @@ def tf_model(demo_moe):
 
 @pytest.mark.parametrize("scheme,plan", [("mxfp8", PlanOptions(last_n_bf16=1)), ("nvfp4", PlanOptions())])
 @pytest.mark.parametrize("reference", ["split", "fused"])
-def test_refit_from_transformers_named_parameters(scheme, plan, reference, tf_model, demo_moe, fused_dirs, tmp_path,
-                                                  monkeypatch):
+def test_refit_from_transformers_named_parameters(
+    scheme, plan, reference, tf_model, demo_moe, fused_dirs, tmp_path, monkeypatch
+):
     """refit takes ``named_parameters()`` of a transformers 5 MoE (fused expert names and shapes)
     and stages the bytes the converter writes for the reference checkpoint."""
     from qconvert.trainer.refit import stage_refit
+
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
     names = dict(tf_model.named_parameters())
     assert "model.layers.0.mlp.experts.gate_up_proj" in names  # the names transformers 5 yields
     assert not any(".experts.0." in n for n in names)
     ref = demo_moe if reference == "split" else fused_dirs["out_in"]
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=plan.last_n_bf16), fsync=False,
-                          progress=False)
+    opts = ConvertOptions(
+        scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=plan.last_n_bf16), fsync=False, progress=False
+    )
     convert(str(demo_moe), tmp_path / "converted", opts=opts)
-    res = stage_refit(((n, p.detach()) for n, p in tf_model.named_parameters()), reference=ref, stage_name="r",
-                      options=opts)
+    res = stage_refit(
+        ((n, p.detach()) for n, p in tf_model.named_parameters()), reference=ref, stage_name="r", options=opts
+    )
     want, got = _load_dir(tmp_path / "converted"), _load_dir(res.area.path)
     assert want.keys() == got.keys()
     for k in want:
@@ -282,6 +313,7 @@ def test_refit_from_transformers_named_parameters(scheme, plan, reference, tf_mo
 
 def test_refit_refuses_wrong_fused_shape(tf_model, demo_moe, tmp_path, monkeypatch):
     from qconvert.trainer.refit import stage_refit
+
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
     items = [(n, p.detach()) for n, p in tf_model.named_parameters()]
     items = [(n, p.transpose(1, 2) if n.endswith("layers.0.mlp.experts.down_proj") else p) for n, p in items]
@@ -294,6 +326,7 @@ def test_unshuffle_of_fused_layout_equals_plain(demo_moe, fused_dirs, tmp_path):
     """``unshuffle`` of a fused source's pre-shuffled conversion gives the split source's plain
     conversion (the layout job reads the fused tensors; unshuffle sees per-expert layouts)."""
     from qconvert.convert.unshuffle import unshuffle_checkpoint
+
     convert(str(fused_dirs["in_out_w"]), tmp_path / "lay", opts=_opts("mxfp8", layout="flashinfer-trtllm"))
     convert(str(demo_moe), tmp_path / "plain", opts=_opts("mxfp8"))
     unshuffle_checkpoint(tmp_path / "lay", tmp_path / "back")
@@ -350,6 +383,7 @@ def test_verify_against_fused_source(case, fused_dirs, tmp_path):
     """``verify`` takes a fused SRC: every per-expert output is checked against its slice of the
     fused tensor (values, kept bytes, layouts)."""
     from qconvert.verify import verify
+
     src = fused_dirs["in_out_w"]
     convert(str(src), tmp_path / "q", opts=_opts(**CASES[case]))
     r = verify(str(src), str(tmp_path / "q"))
@@ -363,6 +397,7 @@ def test_verify_catches_wrong_expert_against_fused_source(fused_dirs, tmp_path):
     from safetensors.torch import save_file
 
     from qconvert.verify import verify
+
     src = fused_dirs["out_in"]
     q = tmp_path / "q"
     convert(str(src), q, opts=_opts("mxfp8"))
@@ -381,17 +416,22 @@ def test_verify_catches_wrong_expert_against_fused_source(fused_dirs, tmp_path):
 
 def test_inspect_fused_source(fused_dirs, demo_moe, split_tensors, config, tmp_path):
     from qconvert.inspect import inspect_checkpoint
+
     r = inspect_checkpoint(fused_dirs["in_out_w"])
     assert r.moe and r.scheme == "bf16"
     note = [n for n in r.notes if n.startswith("fused expert tensors")]
-    assert note == [f"fused expert tensors: {2 * config['num_hidden_layers']} (…experts.gate_up_proj / down_proj, "
-                    "[E, in, out] (transposed)); qconvert writes them as per-expert experts.{e}.gate_proj/up_proj/"
-                    "down_proj"]
+    assert note == [
+        f"fused expert tensors: {2 * config['num_hidden_layers']} (…experts.gate_up_proj / down_proj, "
+        "[E, in, out] (transposed)); qconvert writes them as per-expert experts.{e}.gate_proj/up_proj/"
+        "down_proj"
+    ]
     assert not any(n.startswith("fused expert tensors") for n in inspect_checkpoint(demo_moe).notes)
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     d = write_like(demo_moe, tmp_path / "gptoss", t, dict(config, architectures=["GptOssForCausalLM"]))
-    assert any(n.startswith("fused expert tensors: qconvert refuses them (refused-architecture):") and "gpt-oss" in n
-               for n in inspect_checkpoint(d).notes)
+    assert any(
+        n.startswith("fused expert tensors: qconvert refuses them (refused-architecture):") and "gpt-oss" in n
+        for n in inspect_checkpoint(d).notes
+    )
 
 
 def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_path):
@@ -400,6 +440,7 @@ def test_cli_refusal_is_one_line_exit_1(demo_moe, split_tensors, config, tmp_pat
     from click.testing import CliRunner
 
     from qconvert.cli import main
+
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     d = write_like(demo_moe, tmp_path / "src", t, dict(config, architectures=["GptOssForCausalLM"]))
     r = CliRunner().invoke(main, ["mxfp8", str(d), str(tmp_path / "out")])
@@ -413,6 +454,7 @@ def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, confi
     """A NaN inside a fused tensor: a fresh ``qconvert`` process exits 1 with one line naming the
     fused tensor the user has and the expert, not a per-expert name that is not in the files."""
     from test_hostile_convert import assert_one_line, cli
+
     t = fuse(split_tensors, config["num_hidden_layers"], config["num_experts"])
     n = "model.layers.1.mlp.experts.gate_up_proj"
     t[n] = t[n].clone()
@@ -427,6 +469,7 @@ def test_nan_in_fused_tensor_names_it_in_one_line(demo_moe, split_tensors, confi
 def test_config_without_sizes_refused(split_tensors, config):
     """Orientation is decided from config.json's sizes: without them, a one-line refusal."""
     from qconvert.convert import fused
+
     inv = {n: ("BF16", tuple(v.shape)) for n, v in fuse(split_tensors, 1, config["num_experts"]).items()}
     cfg = {k: v for k, v in config.items() if k not in ("moe_intermediate_size", "intermediate_size")}
     with pytest.raises(PlanError, match="moe_intermediate_size") as ei:
@@ -434,15 +477,23 @@ def test_config_without_sizes_refused(split_tensors, config):
     assert ei.value.code == Refusal.CONFIG_KEYS and "/x/config.json" in str(ei.value)
 
 
-@pytest.mark.parametrize("pattern", ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj*"])
+@pytest.mark.parametrize(
+    "pattern", ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj*"]
+)
 def test_keep_bf16_naming_a_fused_tensor_keeps_its_layer(pattern, demo_moe, fused_dirs, tmp_path):
     """``--keep-bf16`` with the fused name the user sees keeps that layer's experts BF16, as the
     split checkpoint's ``--keep-bf16 'model.layers.1.mlp.experts.*'`` does, byte for byte."""
     src = fused_dirs["out_in"] if "*" not in pattern else fused_dirs["in_out_w"]
-    a = convert(str(demo_moe), tmp_path / "split", opts=ConvertOptions(
-        scheme="mxfp8", plan=PlanOptions(keep_bf16=("model.layers.1.mlp.experts.*",)), fsync=False))
-    b = convert(str(src), tmp_path / "fused", opts=ConvertOptions(
-        scheme="mxfp8", plan=PlanOptions(keep_bf16=(pattern,)), fsync=False))
+    a = convert(
+        str(demo_moe),
+        tmp_path / "split",
+        opts=ConvertOptions(scheme="mxfp8", plan=PlanOptions(keep_bf16=("model.layers.1.mlp.experts.*",)), fsync=False),
+    )
+    b = convert(
+        str(src),
+        tmp_path / "fused",
+        opts=ConvertOptions(scheme="mxfp8", plan=PlanOptions(keep_bf16=(pattern,)), fsync=False),
+    )
     assert "model.layers.1.mlp.experts" in b.plan.exclusions
     assert a.plan.exclusions == b.plan.exclusions
     assert not any("matched no tensor" in n for n in b.notes)

@@ -32,13 +32,17 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 # ---- safetensors header ---------------------------------------------------------------------
 
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                        st.text(max_size=6))
+json_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=6)
+)
 dtype_tag = st.one_of(st.sampled_from(sorted(DTYPES)), st.text(max_size=5), st.integers())
 shape = st.one_of(st.lists(st.integers(-2, 9), max_size=3), json_scalar)
 offsets = st.one_of(st.lists(st.integers(-4, 600), min_size=0, max_size=3), json_scalar)
-entry = st.one_of(st.fixed_dictionaries({"dtype": dtype_tag, "shape": shape, "data_offsets": offsets}), json_scalar,
-                  st.lists(json_scalar, max_size=2))
+entry = st.one_of(
+    st.fixed_dictionaries({"dtype": dtype_tag, "shape": shape, "data_offsets": offsets}),
+    json_scalar,
+    st.lists(json_scalar, max_size=2),
+)
 header_obj = st.dictionaries(st.text(min_size=1, max_size=8), entry, max_size=5)
 
 
@@ -76,8 +80,10 @@ def safetensors_files(draw):
 @FAST
 @given(blob=safetensors_files())
 @example(blob=struct.pack("<Q", 200_001) + b"[" * 200_001)  # deeply nested JSON
-@example(blob=struct.pack("<Q", 95) + b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
-                                      b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}  ' + b"xy")
+@example(
+    blob=struct.pack("<Q", 95) + b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+    b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}  ' + b"xy"
+)
 def test_header_parsing_never_crashes_and_stays_inside_the_file(blob):
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "x.safetensors"
@@ -99,14 +105,13 @@ def test_header_parsing_never_crashes_and_stays_inside_the_file(blob):
         with ShardReader(h) as r:
             for e, t in r.iter_tensors():
                 assert t.numel() * t.element_size() == e.nbytes
-                assert bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) == blob[e.start:e.end]
+                assert bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) == blob[e.start : e.end]
             assert r.sha256() == hashlib.sha256(blob).hexdigest()
 
 
 def test_duplicate_tensor_names_in_a_header_are_refused(tmp_path):
     """JSON parsers disagree on duplicate keys (first or last wins): refuse instead of guessing."""
-    raw = (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
-           b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')
+    raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
     p = tmp_path / "d.safetensors"
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"xy")
     with pytest.raises(CheckpointError, match="duplicate"):
@@ -116,13 +121,35 @@ def test_duplicate_tensor_names_in_a_header_are_refused(tmp_path):
 # ---- index ----------------------------------------------------------------------------------
 
 shard_name = st.one_of(
-    st.sampled_from(["a.safetensors", "b.safetensors", "../a.safetensors", "/etc/passwd", "", ".", "..",
-                     "sub/../a.safetensors", "a.safetensors/", "\\..\\a.safetensors", "./a.safetensors",
-                     "nested/c.safetensors", "missing.safetensors"]),
-    st.text(alphabet="ab./\\", max_size=8), st.integers(), st.none())
+    st.sampled_from(
+        [
+            "a.safetensors",
+            "b.safetensors",
+            "../a.safetensors",
+            "/etc/passwd",
+            "",
+            ".",
+            "..",
+            "sub/../a.safetensors",
+            "a.safetensors/",
+            "\\..\\a.safetensors",
+            "./a.safetensors",
+            "nested/c.safetensors",
+            "missing.safetensors",
+        ]
+    ),
+    st.text(alphabet="ab./\\", max_size=8),
+    st.integers(),
+    st.none(),
+)
 index_obj = st.one_of(
-    st.fixed_dictionaries({"weight_map": st.dictionaries(st.sampled_from(["x", "y", "z", "w"]), shard_name, max_size=4)}),
-    st.fixed_dictionaries({"weight_map": json_scalar}), json_scalar, st.lists(json_scalar, max_size=2))
+    st.fixed_dictionaries(
+        {"weight_map": st.dictionaries(st.sampled_from(["x", "y", "z", "w"]), shard_name, max_size=4)}
+    ),
+    st.fixed_dictionaries({"weight_map": json_scalar}),
+    json_scalar,
+    st.lists(json_scalar, max_size=2),
+)
 
 
 def _tiny_shard(path: Path, names):
@@ -152,6 +179,7 @@ def test_index_parsing_never_crashes_and_never_leaves_src(tmp_path, monkeypatch,
     def spy(p):
         opened.append(Path(p))
         return real(p)
+
     monkeypatch.setattr(ckpt_mod, "read_header", spy)
     (root / "model.safetensors.index.json").write_bytes(raw if raw is not None else json.dumps(index).encode())
     try:
@@ -168,6 +196,7 @@ def test_index_parsing_never_crashes_and_never_leaves_src(tmp_path, monkeypatch,
 
 
 # ---- MXFP8 numerics ---------------------------------------------------------------------------
+
 
 def _bf16_from_bits(bits: list[int]) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -242,8 +271,7 @@ def test_mxfp8_quantize_is_idempotent_on_representable_values(x):
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.lists(st.sampled_from([0x7FC0, 0xFFC0, 0x7F80, 0xFF80]), min_size=1, max_size=3),
-       pos=st.integers(0, 31))
+@given(bits=st.lists(st.sampled_from([0x7FC0, 0xFFC0, 0x7F80, 0xFF80]), min_size=1, max_size=3), pos=st.integers(0, 31))
 def test_mxfp8_non_finite_block_gets_byte_255(bits, pos):
     x = torch.ones(len(bits), 64, dtype=torch.bfloat16)
     for r, b in enumerate(bits):
@@ -313,8 +341,13 @@ def test_shuffle_permutations_are_permutations_and_invert(m_tiles, gated, swap, 
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 64), kb=st.integers(1, 4), dtype=st.sampled_from([torch.uint8, torch.bfloat16]),
-       seed=st.integers(0, 2**16), perm=st.booleans())
+@given(
+    m=st.integers(1, 64),
+    kb=st.integers(1, 4),
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+    perm=st.booleans(),
+)
 def test_from_block_major_k_inverts_to_block_major_k(m, kb, dtype, seed, perm):
     g = torch.Generator().manual_seed(seed)
     bk = idx.block_k_elements(dtype)

@@ -56,8 +56,12 @@ def test_threads_end_on_close_on_drop_and_after_a_conversion(demo_moe, tmp_path)
     from qconvert.convert.pipeline import ConvertOptions, convert
     from qconvert.convert.plan import PlanOptions
 
-    convert(str(demo_moe), str(tmp_path / "q"), "mxfp8",
-            ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
+    convert(
+        str(demo_moe),
+        str(tmp_path / "q"),
+        "mxfp8",
+        ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False),
+    )
     assert not _left_running(before)
     # nor do the source-digest and shard-closing threads outlive the conversion
     assert not [t for t in threading.enumerate() if t.name.startswith(("qconvert-input-sha", "qconvert-output-close"))]
@@ -90,8 +94,10 @@ def test_hashing_writer_digest_for_any_arrival_order(tmp_path):
     from qconvert.convert.runner import HashingWriter as _HashingWriter
 
     g = torch.Generator().manual_seed(0)
-    tensors = {f"t{i}": torch.randint(0, 255, (int(n),), dtype=torch.uint8, generator=g)
-               for i, n in enumerate([1, 5000, 3, 70000, 0, 17, 40000, 8, 123457, 2])}
+    tensors = {
+        f"t{i}": torch.randint(0, 255, (int(n),), dtype=torch.uint8, generator=g)
+        for i, n in enumerate([1, 5000, 3, 70000, 0, 17, 40000, 8, 123457, 2])
+    }
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     rng = random.Random(1)
     orders = [list(tensors), list(reversed(tensors))] + [rng.sample(list(tensors), len(tensors)) for _ in range(20)]

@@ -39,8 +39,14 @@ def cli(*args, pre: str = "", timeout: float = 300, env=None, **popen) -> subpro
     e = {**os.environ, "PYTHONPATH": str(ROOT)}
     e.pop("QCONVERT_DEBUG", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-c", pre + "\n" + CLI, *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=e, **popen)
+    return subprocess.run(
+        [sys.executable, "-c", pre + "\n" + CLI, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        **popen,
+    )
 
 
 def assert_one_line(r: subprocess.CompletedProcess, code: int, *needles: str) -> str:
@@ -79,8 +85,9 @@ def nan_src(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inf_src(tmp_path_factory):
-    return model(tmp_path_factory.mktemp("hostile") / "inf", poison="model.layers.2.self_attn.k_proj.weight",
-                 value=float("-inf"))
+    return model(
+        tmp_path_factory.mktemp("hostile") / "inf", poison="model.layers.2.self_attn.k_proj.weight", value=float("-inf")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +97,17 @@ def src(tmp_path_factory):
 
 # ---- errors that must leave the process cleanly, many times over ----------------------------
 
-@pytest.mark.parametrize("args,needle", [
-    (["mxfp8"], EXPERT),
-    (["nvfp4"], EXPERT),
-    (["nvfp4", "--input-scale", "unit", "--recipe", "modelopt"], EXPERT),
-    (["mxfp8", "--dialect", "modelopt", "--layout", "flashinfer-trtllm"], "model.layers.1.mlp.experts"),
-], ids=["mxfp8", "nvfp4", "nvfp4-w4a4-modelopt", "mxfp8-layout"])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["mxfp8"], EXPERT),
+        (["nvfp4"], EXPERT),
+        (["nvfp4", "--input-scale", "unit", "--recipe", "modelopt"], EXPERT),
+        (["mxfp8", "--dialect", "modelopt", "--layout", "flashinfer-trtllm"], "model.layers.1.mlp.experts"),
+    ],
+    ids=["mxfp8", "nvfp4", "nvfp4-w4a4-modelopt", "mxfp8-layout"],
+)
 def test_non_finite_weights_exit_1_every_time(nan_src, tmp_path, args, needle):
     for i in range(REPEAT):
         dst = tmp_path / f"out{i}"
@@ -137,11 +149,14 @@ _k.CPU_WORKERS = 2
 """
 
 
-@pytest.mark.parametrize("exc,code,needles", [
-    ("RuntimeError('injected\\nsecond line')", 1, ["qconvert mxfp8", "RuntimeError: injected", "QCONVERT_DEBUG=1"]),
-    ("MemoryError()", 1, ["qconvert mxfp8", "MemoryError", "QCONVERT_DEBUG=1"]),
-    ("KeyboardInterrupt()", 130, ["interrupted"]),
-])
+@pytest.mark.parametrize(
+    "exc,code,needles",
+    [
+        ("RuntimeError('injected\\nsecond line')", 1, ["qconvert mxfp8", "RuntimeError: injected", "QCONVERT_DEBUG=1"]),
+        ("MemoryError()", 1, ["qconvert mxfp8", "MemoryError", "QCONVERT_DEBUG=1"]),
+        ("KeyboardInterrupt()", 130, ["interrupted"]),
+    ],
+)
 def test_an_exception_in_a_job_thread_is_one_line(src, tmp_path, exc, code, needles):
     """Not a QConvertError: the top-level guard names the command and the debug switch."""
     pre = JOB_FAULT.format(name="model.layers.2.mlp.experts.3.up_proj.weight", exc=exc)
@@ -159,23 +174,28 @@ def test_qconvert_debug_shows_the_traceback(src, tmp_path):
 
 # ---- options that were ignored or crashed ---------------------------------------------------
 
-@pytest.mark.parametrize("args,needles", [
-    (["mxfp8", "--layout", "flashinfer-trtllm", "--tp", "0"], ["--tp", "0"]),
-    (["mxfp8", "--layout", "flashinfer-trtllm", "--tp", "-1"], ["--tp", "-1"]),
-    (["nvfp4", "--layout", "flashinfer-trtllm", "--input-scale", "unit", "--ep", "0"], ["--ep", "0"]),
-    (["bf16", "--layout", "flashinfer-trtllm", "--ep", "-2"], ["--ep", "-2"]),
-    (["mxfp8", "--tp", "2"], ["--tp", "--layout"]),
-    (["mxfp8", "--ep", "2"], ["--ep", "--layout"]),
-    (["nvfp4", "--engine", "sglang"], ["--engine", "--layout"]),
-    (["mxfp8", "--engine", "vllm"], ["--engine", "--layout"]),
-    (["bf16", "--layout", "flashinfer-trtllm", "--last-n-bf16", "1"], ["--last-n-bf16", "bf16"]),
-    (["bf16", "--layout", "flashinfer-trtllm", "--keep-bf16", "lm_head"], ["--keep-bf16", "bf16"]),
-    (["bf16", "--layout", "flashinfer-trtllm", "--quantize-lm-head"], ["--quantize-lm-head", "bf16"]),
-    (["bf16", "--layout", "flashinfer-trtllm", "--first-n-bf16", "2"], ["--first-n-bf16", "bf16"]),
-    (["mxfp8", "--private"], ["--private", "--push-to-hub"]),
-    (["mxfp8", "--revision", "main"], ["--revision", "--push-to-hub"]),
-    (["mxfp8", "--last-n-bf16", "-1"], ["--last-n-bf16", "-1"]),
-], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("mxfp8", "nvfp4", "bf16") else None)
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["mxfp8", "--layout", "flashinfer-trtllm", "--tp", "0"], ["--tp", "0"]),
+        (["mxfp8", "--layout", "flashinfer-trtllm", "--tp", "-1"], ["--tp", "-1"]),
+        (["nvfp4", "--layout", "flashinfer-trtllm", "--input-scale", "unit", "--ep", "0"], ["--ep", "0"]),
+        (["bf16", "--layout", "flashinfer-trtllm", "--ep", "-2"], ["--ep", "-2"]),
+        (["mxfp8", "--tp", "2"], ["--tp", "--layout"]),
+        (["mxfp8", "--ep", "2"], ["--ep", "--layout"]),
+        (["nvfp4", "--engine", "sglang"], ["--engine", "--layout"]),
+        (["mxfp8", "--engine", "vllm"], ["--engine", "--layout"]),
+        (["bf16", "--layout", "flashinfer-trtllm", "--last-n-bf16", "1"], ["--last-n-bf16", "bf16"]),
+        (["bf16", "--layout", "flashinfer-trtllm", "--keep-bf16", "lm_head"], ["--keep-bf16", "bf16"]),
+        (["bf16", "--layout", "flashinfer-trtllm", "--quantize-lm-head"], ["--quantize-lm-head", "bf16"]),
+        (["bf16", "--layout", "flashinfer-trtllm", "--first-n-bf16", "2"], ["--first-n-bf16", "bf16"]),
+        (["mxfp8", "--private"], ["--private", "--push-to-hub"]),
+        (["mxfp8", "--revision", "main"], ["--revision", "--push-to-hub"]),
+        (["mxfp8", "--last-n-bf16", "-1"], ["--last-n-bf16", "-1"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("mxfp8", "nvfp4", "bf16") else None,
+)
 def test_bad_or_ignored_options_are_refused(src, tmp_path, args, needles):
     dst = tmp_path / "o"
     r = cli(*args, src, dst, "--no-progress")
@@ -190,20 +210,36 @@ def test_negative_tp_never_drops_experts(src, tmp_path):
 
     for tp, ep in [(0, 1), (-1, 1), (1, 0), (1, -1), (3, 1)]:
         with pytest.raises(QConvertError, match="--tp|--ep|tensor-parallel|expert-parallel"):
-            convert(str(src), tmp_path / f"o{tp}{ep}", "mxfp8",
-                    ConvertOptions(layout="flashinfer-trtllm", tp=tp, ep=ep, progress=False, fsync=False,
-                                   plan=PlanOptions(scheme="mxfp8")))
+            convert(
+                str(src),
+                tmp_path / f"o{tp}{ep}",
+                "mxfp8",
+                ConvertOptions(
+                    layout="flashinfer-trtllm",
+                    tp=tp,
+                    ep=ep,
+                    progress=False,
+                    fsync=False,
+                    plan=PlanOptions(scheme="mxfp8"),
+                ),
+            )
         assert not (tmp_path / f"o{tp}{ep}").exists()
 
 
 # ---- threads end before convert returns -------------------------------------------------------
 
+
 def _live_threads() -> set[str]:
     """Threads a conversion started that are still alive (the quantizers' idle pool excepted)."""
     time.sleep(0.05)
-    return {t.name for t in threading.enumerate()
-            if t is not threading.main_thread() and t.is_alive() and not t.name.startswith("qconvert-mxfp8")
-            and (t.name.startswith("qconvert") or t.daemon)}
+    return {
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+        and t.is_alive()
+        and not t.name.startswith("qconvert-mxfp8")
+        and (t.name.startswith("qconvert") or t.daemon)
+    }
 
 
 @pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
@@ -214,8 +250,12 @@ def test_no_thread_outlives_a_failed_conversion(nan_src, tmp_path, scheme, monke
     for workers in (1, 2):
         monkeypatch.setattr(kernels, "CPU_WORKERS", workers)
         with pytest.raises(CheckpointError, match="NaN or Inf"):
-            convert(str(nan_src), tmp_path / f"o{workers}", scheme,
-                    ConvertOptions(scheme=scheme, progress=False, fsync=False))
+            convert(
+                str(nan_src),
+                tmp_path / f"o{workers}",
+                scheme,
+                ConvertOptions(scheme=scheme, progress=False, fsync=False),
+            )
         assert _live_threads() - before == set()
 
 
@@ -258,6 +298,7 @@ def test_ctrl_c_waits_for_kernel_chunks():
         first.wait()
         time.sleep(0.1)  # the calling thread is waiting for the chunks by now
         import _thread
+
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt_soon).start()
@@ -269,11 +310,17 @@ def test_ctrl_c_waits_for_kernel_chunks():
 
 # ---- Ctrl-C in a real process ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def big_src(tmp_path_factory):
     """About 200 MB (0.6 s to convert on the 2-core VM): long enough to interrupt at random points."""
-    return model(tmp_path_factory.mktemp("hostile") / "big", n_shards=4, num_experts=64, num_hidden_layers=8,
-                 moe_intermediate_size=256)
+    return model(
+        tmp_path_factory.mktemp("hostile") / "big",
+        n_shards=4,
+        num_experts=64,
+        num_hidden_layers=8,
+        moe_intermediate_size=256,
+    )
 
 
 @pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
@@ -284,8 +331,13 @@ def test_sigint_mid_conversion_exits_130(big_src, tmp_path, scheme):
         dst = tmp_path / f"o{i}"
         e = {**os.environ, "PYTHONPATH": str(ROOT)}
         e.pop("QCONVERT_DEBUG", None)
-        p = subprocess.Popen([sys.executable, "-c", CLI, scheme, str(big_src), str(dst), "--no-progress"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+        p = subprocess.Popen(
+            [sys.executable, "-c", CLI, scheme, str(big_src), str(dst), "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=e,
+        )
         t0 = time.monotonic()
         while not partial_dir(dst).exists() and p.poll() is None and time.monotonic() - t0 < 120:
             time.sleep(0.01)
@@ -309,20 +361,30 @@ def test_sigint_mid_conversion_exits_130(big_src, tmp_path, scheme):
 
 # ---- what the summary and --dry-run say -----------------------------------------------------
 
+
 def _invoke(*args):
     from click.testing import CliRunner
 
     from qconvert.cli import main
+
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("args,want", [
-    (["mxfp8"], ["format            : MXFP8", "layout            : plain", "kept unquantized  : 51 weights, BF16"]),
-    (["nvfp4"], ["format            : NVFP4 W4A16", "; te recipe"]),
-    (["nvfp4", "--input-scale", "unit", "--recipe", "modelopt"], ["NVFP4 W4A4, input scale 1.0", "; modelopt recipe"]),
-    (["mxfp8", "--layout", "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--ep", "2"],
-     ["layout            : flashinfer-trtllm for vllm, --tp 2 --ep 2"]),
-])
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["mxfp8"], ["format            : MXFP8", "layout            : plain", "kept unquantized  : 51 weights, BF16"]),
+        (["nvfp4"], ["format            : NVFP4 W4A16", "; te recipe"]),
+        (
+            ["nvfp4", "--input-scale", "unit", "--recipe", "modelopt"],
+            ["NVFP4 W4A4, input scale 1.0", "; modelopt recipe"],
+        ),
+        (
+            ["mxfp8", "--layout", "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--ep", "2"],
+            ["layout            : flashinfer-trtllm for vllm, --tp 2 --ep 2"],
+        ),
+    ],
+)
 def test_summary_names_format_recipe_and_layout(src, args, want):
     r = _invoke(*args, src, "--dry-run", "--last-n-bf16", "1")
     assert r.exit_code == 0, r.output
@@ -336,11 +398,15 @@ def test_dry_run_groups_experts(src):
     rows = [ln for ln in r.output.splitlines() if ".experts." in ln or " experts " in ln]
     # demo MoE: 4 layers x 8 experts x 3 projections; the last layer kept BF16
     assert len(rows) == 4, rows
-    assert any(ln.startswith("model.layers 0-2 experts 0-7 gate_proj/up_proj (48 tensors)") and " mxfp8 " in ln
-               for ln in rows), rows
-    assert any(ln.startswith("model.layers 0-2 experts 0-7 down_proj (24 tensors)") and " mxfp8 " in ln for ln in rows), rows
-    assert any(ln.startswith("model.layers 3 experts 0-7 gate_proj/up_proj (16 tensors)") and " bf16 " in ln
-               for ln in rows), rows
+    assert any(
+        ln.startswith("model.layers 0-2 experts 0-7 gate_proj/up_proj (48 tensors)") and " mxfp8 " in ln for ln in rows
+    ), rows
+    assert any(
+        ln.startswith("model.layers 0-2 experts 0-7 down_proj (24 tensors)") and " mxfp8 " in ln for ln in rows
+    ), rows
+    assert any(
+        ln.startswith("model.layers 3 experts 0-7 gate_proj/up_proj (16 tensors)") and " bf16 " in ln for ln in rows
+    ), rows
 
 
 def test_summary_says_fp32_weights_are_kept_fp32(tmp_path):

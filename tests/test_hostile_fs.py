@@ -31,6 +31,7 @@ TIMEOUT_S = 60  # a case that blocks (a FIFO opened for reading) fails instead o
 def _alarm():
     def boom(*_):
         raise TimeoutError(f"blocked for {TIMEOUT_S} s")
+
     old = signal.signal(signal.SIGALRM, boom)
     signal.alarm(TIMEOUT_S)
     yield
@@ -71,6 +72,7 @@ def cli(*args):
 
 # ---- setups: each gets P (a directory holding the source "model", a sibling and a victim) and
 # returns the command's arguments -------------------------------------------------------------
+
 
 def _victim(P: Path) -> Path:
     v = P / "victim"
@@ -277,8 +279,9 @@ def s_demo_bf16_is_link(P):
 
 def s_unshuffle_tmp_is_link(P):
     (P / f".out.qconvert-tmp-{os.getpid()}").symlink_to(_victim(P))
-    (P / "model" / "qconvert.json").write_text(json.dumps({"dialect": "auto", "layout": {
-        "engine": "sglang", "tp": 1, "ep": 1, "layers": {}, "contracts": {}}}))
+    (P / "model" / "qconvert.json").write_text(
+        json.dumps({"dialect": "auto", "layout": {"engine": "sglang", "tp": 1, "ep": 1, "layers": {}, "contracts": {}}})
+    )
     return ["unshuffle", P / "model", P / "out"]
 
 
@@ -296,8 +299,9 @@ def s_verify_src_shard_leaves_src(P):
 
 
 def _layout_manifest() -> bytes:
-    return json.dumps({"dialect": "auto", "layout": {"engine": "sglang", "tp": 1, "ep": 1, "layers": {},
-                                                     "contracts": {}}}).encode()
+    return json.dumps(
+        {"dialect": "auto", "layout": {"engine": "sglang", "tp": 1, "ep": 1, "layers": {}, "contracts": {}}}
+    ).encode()
 
 
 def s_unshuffle_manifest_leaves_src(P):
@@ -409,6 +413,7 @@ def test_hostile_fs(setup, expected, demo_dense, tmp_path):
 
 # ---- C: the writer lock and the install -------------------------------------------------------
 
+
 def test_failed_install_restores_the_old_dst_and_keeps_a_resumable_partial(demo_dense, tmp_path, monkeypatch):
     dst = tmp_path / "out"
     dst.mkdir()
@@ -458,13 +463,19 @@ def test_writer_lock_is_held_until_dst_is_in_place(demo_dense, tmp_path, monkeyp
 
 # ---- 4: every non-weight file and folder of the source is copied ------------------------------
 
+
 def test_sentence_transformers_folders_are_copied(demo_dense, tmp_path):
     src = tmp_path / "st"
     shutil.copytree(demo_dense, src)
-    (src / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (src / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ]
+        )
+    )
     (src / "1_Pooling").mkdir()
     (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
     (src / "2_Normalize").mkdir()  # empty in sentence-transformers models
@@ -489,11 +500,13 @@ def test_sentence_transformers_folders_are_copied(demo_dense, tmp_path):
     # the copied files feed the resume fingerprint by their path inside SRC
     from qconvert.convert.checkpoint import load_checkpoint
     from qconvert.convert.resume import fingerprint
+
     fp = fingerprint(load_checkpoint(str(src)), "mxfp8", "auto", pipeline.ConvertOptions())
     assert "1_Pooling/config.json" in fp["files"] and "2_Dense/nested/x.txt" in fp["files"]
 
 
 # ---- 6: a killed stage leaves nothing --list does not show -------------------------------------
+
 
 def test_a_killed_stage_is_listed_and_dropped(demo_dense, shm_root):
     from qconvert.client import staging
@@ -524,9 +537,15 @@ def test_a_running_stage_is_listed_as_being_written_and_not_dropped(shm_root):
 
 # ---- A for a Hub source: its whole repo cache (snapshot and blobs) is the source ---------------
 
-@pytest.mark.parametrize("dst_rel,expected", [("hub", "DST contains SRC"),
-                                              ("hub/models--acme--tiny/blobs", "DST lies inside SRC"),
-                                              ("hub/models--acme--tiny/snapshots", "DST lies inside SRC")])
+
+@pytest.mark.parametrize(
+    "dst_rel,expected",
+    [
+        ("hub", "DST contains SRC"),
+        ("hub/models--acme--tiny/blobs", "DST lies inside SRC"),
+        ("hub/models--acme--tiny/snapshots", "DST lies inside SRC"),
+    ],
+)
 def test_hub_source_cache_is_never_dst(dst_rel, expected, demo_dense, tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     rev = "0123456789abcdef0123456789abcdef01234567"
@@ -543,6 +562,7 @@ def test_hub_source_cache_is_never_dst(dst_rel, expected, demo_dense, tmp_path, 
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
+
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     before = snapshot(tmp_path)

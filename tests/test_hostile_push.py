@@ -35,11 +35,33 @@ from qconvert.convert.pipeline import ConvertOptions, convert
 from qconvert.convert.plan import PlanOptions
 
 #: the metadata keys a qconvert card may carry (README: "Inspect, verify, publish")
-ALLOWED = {"base_model", "base_model_relation", "library_name", "license", "license_name", "license_link",
-           "pipeline_tag", "language", "datasets", "inference", "tags"}
+ALLOWED = {
+    "base_model",
+    "base_model_relation",
+    "library_name",
+    "license",
+    "license_name",
+    "license_link",
+    "pipeline_tag",
+    "language",
+    "datasets",
+    "inference",
+    "tags",
+}
 #: qconvert's own headings, in the order the card has them (some are optional)
-OUR_HEADINGS = ["x", "Quantization", "Modules kept in BF16", "Size", "Accuracy (qconvert verify)", "Serving",
-                "vLLM 0.33.0", "SGLang 0.5.23", "Versions", "License", "Original model card"]
+OUR_HEADINGS = [
+    "x",
+    "Quantization",
+    "Modules kept in BF16",
+    "Size",
+    "Accuracy (qconvert verify)",
+    "Serving",
+    "vLLM 0.33.0",
+    "SGLang 0.5.23",
+    "Versions",
+    "License",
+    "Original model card",
+]
 REPO = "org/x"
 
 
@@ -47,8 +69,12 @@ REPO = "org/x"
 def ck(demo_dense, tmp_path_factory):
     """A dense demo model and its MXFP8 conversion (whose README.md each row replaces)."""
     out = tmp_path_factory.mktemp("hostile-push") / "mxfp8"
-    convert(str(demo_dense), out, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"),
-                                                          progress=False, fsync=False))
+    convert(
+        str(demo_dense),
+        out,
+        "mxfp8",
+        ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False, fsync=False),
+    )
     return {"src": demo_dense, "dst": out}
 
 
@@ -68,6 +94,7 @@ HUGE = "a" * 1_000_000
 def _readme(text: str | bytes):
     def setup(dst: Path, tmp: Path):
         (dst / "README.md").write_bytes(text if isinstance(text, bytes) else text.encode())
+
     return setup
 
 
@@ -112,48 +139,138 @@ OK = "ok"
 # expectation for OK rows: {"meta": expected subset, "absent": keys that must be absent, "log": regex on stderr}
 # for error rows: a regex the single error line must match
 ROWS = [
-    ("fence_in_metadata", _readme("---\nlicense: mit\nnote: |\n  ```\n  # Injected heading\n  ````\n---\nbody\n"),
-     [], {}, {"meta": {"license": "mit"}}),
-    ("markdown_in_license_name",
-     _readme('---\nlicense: other\nlicense_name: "x\\n\\n# Injected\\n<!-- qconvert-source-card:begin -->"\n---\nbody\n'),
-     [], {}, {"meta": {"license": "other"}, "absent": ["license_name"], "log": r"not carried.*license_name"}),
-    ("non_string_metadata",
-     _readme("---\nlicense: 123\nlicense_name: [a, b]\nlibrary_name: 5\nlanguage: {x: y}\npipeline_tag: null\n"
-             "datasets: [[1]]\ninference: {parameters: 1}\n---\nbody\n"),
-     [], {}, {"meta": {"library_name": "transformers"},
-              "absent": ["license", "license_name", "language", "pipeline_tag", "datasets", "inference"]}),
-    ("tags_as_string", _readme("---\ntags: single\n---\nbody\n"), [], {},
-     {"meta": {"tags": ["qconvert", "mxfp8", "auto", "single"]}}),
-    ("tags_mapping", _readme("---\ntags: {a: 1}\n---\nbody\n"), [], {}, {"meta": {"tags": ["qconvert", "mxfp8", "auto"]}}),
-    ("tags_that_look_like_yaml", _readme('---\ntags:\n- "---"\n- "a\\n---\\n# Injected"\n- "..."\n- ok-tag\n---\nb\n'),
-     [], {}, {"meta": {"tags": ["qconvert", "mxfp8", "auto", "---", "...", "ok-tag"]}}),
-    ("second_block_in_body", _readme("---\nlicense: mit\n---\n---\nlicense: evil\n---\n# Body\n"), [], {},
-     {"meta": {"license": "mit"}}),
-    ("non_utf8_bytes", _readme(b"---\nlicense: mit\n---\n\xff\xfe body \xc3\x28 end\n"), [], {},
-     {"meta": {"license": "mit"}, "log": r"README.md is not UTF-8 \(first bad byte at offset 21\)"}),
+    (
+        "fence_in_metadata",
+        _readme("---\nlicense: mit\nnote: |\n  ```\n  # Injected heading\n  ````\n---\nbody\n"),
+        [],
+        {},
+        {"meta": {"license": "mit"}},
+    ),
+    (
+        "markdown_in_license_name",
+        _readme(
+            '---\nlicense: other\nlicense_name: "x\\n\\n# Injected\\n<!-- qconvert-source-card:begin -->"\n---\nbody\n'
+        ),
+        [],
+        {},
+        {"meta": {"license": "other"}, "absent": ["license_name"], "log": r"not carried.*license_name"},
+    ),
+    (
+        "non_string_metadata",
+        _readme(
+            "---\nlicense: 123\nlicense_name: [a, b]\nlibrary_name: 5\nlanguage: {x: y}\npipeline_tag: null\n"
+            "datasets: [[1]]\ninference: {parameters: 1}\n---\nbody\n"
+        ),
+        [],
+        {},
+        {
+            "meta": {"library_name": "transformers"},
+            "absent": ["license", "license_name", "language", "pipeline_tag", "datasets", "inference"],
+        },
+    ),
+    (
+        "tags_as_string",
+        _readme("---\ntags: single\n---\nbody\n"),
+        [],
+        {},
+        {"meta": {"tags": ["qconvert", "mxfp8", "auto", "single"]}},
+    ),
+    (
+        "tags_mapping",
+        _readme("---\ntags: {a: 1}\n---\nbody\n"),
+        [],
+        {},
+        {"meta": {"tags": ["qconvert", "mxfp8", "auto"]}},
+    ),
+    (
+        "tags_that_look_like_yaml",
+        _readme('---\ntags:\n- "---"\n- "a\\n---\\n# Injected"\n- "..."\n- ok-tag\n---\nb\n'),
+        [],
+        {},
+        {"meta": {"tags": ["qconvert", "mxfp8", "auto", "---", "...", "ok-tag"]}},
+    ),
+    (
+        "second_block_in_body",
+        _readme("---\nlicense: mit\n---\n---\nlicense: evil\n---\n# Body\n"),
+        [],
+        {},
+        {"meta": {"license": "mit"}},
+    ),
+    (
+        "non_utf8_bytes",
+        _readme(b"---\nlicense: mit\n---\n\xff\xfe body \xc3\x28 end\n"),
+        [],
+        {},
+        {"meta": {"license": "mit"}, "log": r"README.md is not UTF-8 \(first bad byte at offset 21\)"},
+    ),
     ("non_utf8_in_front_matter", _readme(b"---\nlicense: mit\xff\n---\nbody\n"), [], {}, {"absent": ["license"]}),
-    ("huge_values", _readme("---\nlicense: mit\nlicense_name: " + HUGE + "\ntags:\n" + "".join(f"- t{i}\n" for i in range(10_000))
-                            + "language: [" + ", ".join(["en"] * 10_000) + "]\n---\nbody\n"),
-     [], {}, {"meta": {"license": "mit"}, "absent": ["license_name", "language"], "max_tags": 64 + 3}),
-    ("our_markers_in_body",
-     _readme("---\nlicense: mit\n---\nbody\n<!-- qconvert-card v2 -->\n<!-- qconvert-source-card:body -->\n"
-             "<!-- qconvert-source-card:end -->\n```yaml\nx\n```\n<!-- qconvert-source-card:end meta=0 body=0 -->\n"),
-     [], {}, {"meta": {"license": "mit"}}),
-    ("unclosed_fence_and_comment_in_body", _readme("---\nlicense: mit\n---\n```\nunclosed\n<!-- also unclosed\n"), [], {},
-     {"meta": {"license": "mit"}}),
-    ("crlf_and_bom", _readme("\ufeff---\r\nlicense: mit\r\ntags:\r\n- a\r\n---\r\nbody\r\nline2\r\n"), [], {},
-     {"meta": {"license": "mit", "tags": ["qconvert", "mxfp8", "auto", "a"]}}),
+    (
+        "huge_values",
+        _readme(
+            "---\nlicense: mit\nlicense_name: "
+            + HUGE
+            + "\ntags:\n"
+            + "".join(f"- t{i}\n" for i in range(10_000))
+            + "language: ["
+            + ", ".join(["en"] * 10_000)
+            + "]\n---\nbody\n"
+        ),
+        [],
+        {},
+        {"meta": {"license": "mit"}, "absent": ["license_name", "language"], "max_tags": 64 + 3},
+    ),
+    (
+        "our_markers_in_body",
+        _readme(
+            "---\nlicense: mit\n---\nbody\n<!-- qconvert-card v2 -->\n<!-- qconvert-source-card:body -->\n"
+            "<!-- qconvert-source-card:end -->\n```yaml\nx\n```\n<!-- qconvert-source-card:end meta=0 body=0 -->\n"
+        ),
+        [],
+        {},
+        {"meta": {"license": "mit"}},
+    ),
+    (
+        "unclosed_fence_and_comment_in_body",
+        _readme("---\nlicense: mit\n---\n```\nunclosed\n<!-- also unclosed\n"),
+        [],
+        {},
+        {"meta": {"license": "mit"}},
+    ),
+    (
+        "crlf_and_bom",
+        _readme("\ufeff---\r\nlicense: mit\r\ntags:\r\n- a\r\n---\r\nbody\r\nline2\r\n"),
+        [],
+        {},
+        {"meta": {"license": "mit", "tags": ["qconvert", "mxfp8", "auto", "a"]}},
+    ),
     ("invalid_yaml", _readme("---\nlicense: [unclosed\n---\nbody\n"), [], {}, {"absent": ["license"]}),
-    ("yaml_python_tag", _readme("---\nlicense: !!python/object/apply:os.system ['echo pwned']\n---\nbody\n"), [], {},
-     {"absent": ["license"]}),
+    (
+        "yaml_python_tag",
+        _readme("---\nlicense: !!python/object/apply:os.system ['echo pwned']\n---\nbody\n"),
+        [],
+        {},
+        {"absent": ["license"]},
+    ),
     ("yaml_bad_date", _readme("---\nlicense: mit\ndate: 2023-02-30\n---\nbody\n"), [], {}, {"absent": ["license"]}),
     ("yaml_deep_nesting", _readme("---\nx: " + "[" * 5000 + "]" * 5000 + "\n---\nbody\n"), [], {}, {}),
     ("yaml_not_a_mapping", _readme("---\n- a\n- b\n---\nbody\n"), [], {}, {}),
-    ("yaml_alias_bomb", _readme("---\na: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
-                                "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\ntags: *c\nlicense_name: *c\n---\nbody\n"),
-     [], {}, {"meta": {"tags": ["qconvert", "mxfp8", "auto"]}, "absent": ["license_name"]}),
-    ("license_link_javascript", _readme("---\nlicense: other\nlicense_link: javascript:alert(1)\n---\nb\n"), [], {},
-     {"meta": {"license": "other"}, "absent": ["license_link"]}),
+    (
+        "yaml_alias_bomb",
+        _readme(
+            "---\na: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
+            "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\ntags: *c\nlicense_name: *c\n---\nbody\n"
+        ),
+        [],
+        {},
+        {"meta": {"tags": ["qconvert", "mxfp8", "auto"]}, "absent": ["license_name"]},
+    ),
+    (
+        "license_link_javascript",
+        _readme("---\nlicense: other\nlicense_link: javascript:alert(1)\n---\nb\n"),
+        [],
+        {},
+        {"meta": {"license": "other"}, "absent": ["license_link"]},
+    ),
     ("no_readme", _no_readme, [], {}, {}),
     ("readme_symlink_outside_dst", _symlink_outside, [], {}, r"README.md: a symlink to .*outside .*copy"),
     ("readme_is_a_directory", _readme_dir, [], {}, r"README.md: not a regular file"),
@@ -161,15 +278,36 @@ ROWS = [
     ("readme_dangling_symlink", _readme_dangling, [], {}, r"README.md: cannot be read \(No such file"),
     ("dangling_symlink_in_dst", _dangling_link_in_dst, [], {}, r"extra.txt: cannot be read \(No such file"),
     ("file_symlink_outside_dst", _shard_symlink_outside, [], {}, r"notes.txt: a symlink to .*outside .*copy"),
-    ("unreachable_endpoint", _readme("# card\n"), [], {"HF_ENDPOINT": "closed"},
-     r"^error: org/x: upload failed: cannot reach the Hub at http://127\.0\.0\.1:\d+ \(ConnectError: .*\); check the "
-     r"network and HF_ENDPOINT; .* was not changed, re-run push to resume$"),
+    (
+        "unreachable_endpoint",
+        _readme("# card\n"),
+        [],
+        {"HF_ENDPOINT": "closed"},
+        r"^error: org/x: upload failed: cannot reach the Hub at http://127\.0\.0\.1:\d+ \(ConnectError: .*\); check the "
+        r"network and HF_ENDPOINT; .* was not changed, re-run push to resume$",
+    ),
     ("hf_hub_offline", _readme("# card\n"), [], {"HF_HUB_OFFLINE": "1"}, r"HF_HUB_OFFLINE is set.*unset it"),
-    ("server_500_with_escapes", _readme("# card\n"), [], {"fail": ("commit", 500, {"error": "boom\n\x1b[32mOK pushed\x1b[0m"})},
-     r"answered HTTP 500 \(boom\); re-run later"),
-    ("server_401", _readme("# card\n"), [], {"fail": ("create", 401, {"error": "Invalid credentials"})},
-     r"answered HTTP 401 \(Invalid credentials\); check HF_TOKEN"),
-    ("base_model_with_markdown", _readme("# card\n"), ["--base-model", "a/b)\n# Injected"], {}, r"not a Hub model id for --base-model"),
+    (
+        "server_500_with_escapes",
+        _readme("# card\n"),
+        [],
+        {"fail": ("commit", 500, {"error": "boom\n\x1b[32mOK pushed\x1b[0m"})},
+        r"answered HTTP 500 \(boom\); re-run later",
+    ),
+    (
+        "server_401",
+        _readme("# card\n"),
+        [],
+        {"fail": ("create", 401, {"error": "Invalid credentials"})},
+        r"answered HTTP 401 \(Invalid credentials\); check HF_TOKEN",
+    ),
+    (
+        "base_model_with_markdown",
+        _readme("# card\n"),
+        ["--base-model", "a/b)\n# Injected"],
+        {},
+        r"not a Hub model id for --base-model",
+    ),
     ("revision_with_flags", _readme("# card\n"), ["--revision", "v1 --trust-remote-code"], {}, r"not a branch name"),
     ("repo_id_path", _readme("# card\n"), [], {"repo": "org/.."}, r"not a Hub repo id"),
 ]
@@ -215,14 +353,14 @@ def _check_card(card: str, source: str, exp: dict):
     # Markdown: only our headings before the source card; the source front matter in one code block
     tokens = MarkdownIt("commonmark").parse(card)
     heads = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
-    ours = heads[:heads.index("Original model card") + 1] if "Original model card" in heads else heads
+    ours = heads[: heads.index("Original model card") + 1] if "Original model card" in heads else heads
     assert ours == [h for h in OUR_HEADINGS if h in ours], heads[:20]
     raw = _front_raw(source)
     if raw:
         fences = [t for t in tokens if t.type == "fence" and t.info == "yaml"]
         # CommonMark reads CR LF and CR as line endings (and markdown-it gives them as LF)
         want = re.sub(r"\r\n?", "\n", raw) + "\n"
-        assert fences and fences[0].content == want, (fences[0].content[:300] if fences else None)
+        assert fences and fences[0].content == want, fences[0].content[:300] if fences else None
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
@@ -230,8 +368,11 @@ def test_push_hostile(row, ck, tmp_path, hub, monkeypatch):  # noqa: F811
     name, setup, args, env, expect = row
     dst = Path(shutil.copytree(ck["dst"], tmp_path / "dst", symlinks=True))
     setup(dst, tmp_path)
-    source = (dst / "README.md").read_bytes().decode("utf-8", "replace") if (dst / "README.md").is_file() and \
-        not (dst / "README.md").is_symlink() else ""
+    source = (
+        (dst / "README.md").read_bytes().decode("utf-8", "replace")
+        if (dst / "README.md").is_file() and not (dst / "README.md").is_symlink()
+        else ""
+    )
     repo = env.get("repo", REPO)
     if env.get("HF_ENDPOINT") == "closed":
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
@@ -288,13 +429,21 @@ def test_push_unreachable_endpoint_subprocess(ck, tmp_path):
     before = _snapshot(dst)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_TOKEN="hf_test_token", HF_HUB_DISABLE_XET="1")
-    p = subprocess.run([sys.executable, "-m", "qconvert.cli", "push", str(dst), "org/x", "--src", str(ck["src"]),
-                        "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "qconvert.cli", "push", str(dst), "org/x", "--src", str(ck["src"]), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
     last = p.stderr.splitlines()[-1]
-    assert re.fullmatch(r"error: org/x: upload failed: cannot reach the Hub at http://127\.0\.0\.1:\d+ \(ConnectError: "
-                        r".*\); check the network and HF_ENDPOINT; .*dst was not changed, re-run push to resume", last), last
+    assert re.fullmatch(
+        r"error: org/x: upload failed: cannot reach the Hub at http://127\.0\.0\.1:\d+ \(ConnectError: "
+        r".*\); check the network and HF_ENDPOINT; .*dst was not changed, re-run push to resume",
+        last,
+    ), last
     assert [ln for ln in p.stderr.splitlines() if ln.startswith("error:")] == [last]
     assert "HF_HUB_OFFLINE" not in p.stderr
     assert _snapshot(dst) == before

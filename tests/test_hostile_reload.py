@@ -50,6 +50,7 @@ def raw(status: int, body: bytes, headers=()):
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
+
     return send
 
 
@@ -86,8 +87,15 @@ def redirect_self(h, srv):
 
 def echo_secrets(h, srv):
     """A 401 whose body echoes the request's headers and the URL with credentials."""
-    js(401, {"error": {"message": f"unauthorized: got {dict(h.headers.items())} for "
-                                  f"http://alice:{PASSWORD}@{h.headers.get('Host')}{h.path}"}})(h, srv)
+    js(
+        401,
+        {
+            "error": {
+                "message": f"unauthorized: got {dict(h.headers.items())} for "
+                f"http://alice:{PASSWORD}@{h.headers.get('Host')}{h.path}"
+            }
+        },
+    )(h, srv)
 
 
 FORGED = "\n\x1b[2K\rvllm http://x: reloaded, weight version v9 (0.1 s)\n" * 3
@@ -167,15 +175,24 @@ def sglang_routes() -> dict:
 
 def rpc_by_method(methods: dict, default=js(200, {"results": [None]})):
     """/collective_rpc behaviour chosen by the request's ``method``."""
+
     def send(h, srv):
         method = json.loads(h.body or b"{}").get("method")
         (methods.get(method) or default)(h, srv)
+
     return send
 
 
-MISSING = js(500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
-                                        "'Method 'qconvert_ping' is not implemented.', please check the stack "
-                                        "trace above for the root cause"}})
+MISSING = js(
+    500,
+    {
+        "error": {
+            "message": "Call to collective_rpc method failed: Worker failed with error "
+            "'Method 'qconvert_ping' is not implemented.', please check the stack "
+            "trace above for the root cause"
+        }
+    },
+)
 
 
 # ---------------------------------------------------------------------------- the table
@@ -184,83 +201,330 @@ MISSING = js(500, {"error": {"message": "Call to collective_rpc method failed: W
 # resume called (True / False), bound in units of TIMEOUT (+ SLACK), options
 ROWS = [
     # --- hangs and trickles: bounded by --timeout, resumed once a pause was sent
-    ("vllm-pause-hangs", "vllm", {("POST", "/pause"): hang}, [], 1,
-     "pausing failed", True, 2, {}),
-    ("vllm-pause-trickles-body", "vllm", {("POST", "/pause"): trickle_body}, [], 1,
-     "no complete answer within", True, 2, {}),
-    ("vllm-pause-trickles-headers", "vllm", {("POST", "/pause"): trickle_headers}, [], 1,
-     "no complete answer within", True, 2, {}),
-    ("vllm-reload-hangs", "vllm", {("POST", "/collective_rpc"): hang}, [], 1,
-     "the server may still be loading it", True, 2, {}),
-    ("vllm-reload-trickles", "vllm", {("POST", "/collective_rpc"): trickle_body}, [], 1,
-     "no complete answer within", True, 2, {}),
-    ("vllm-version-trickles-headers", "vllm", {("GET", "/version"): trickle_headers}, [], 1,
-     "/version: no complete answer within", False, 1, {}),
-    ("vllm-resume-hangs", "vllm", {("POST", "/resume"): hang}, [], 1,
-     "the server may still be paused", True, 2, {}),
-    ("vllm-set-version-hangs", "vllm", {("POST", "/update_weight_version"): hang}, [], 1,
-     "/update_weight_version: no complete answer", True, 2, {}),
+    ("vllm-pause-hangs", "vllm", {("POST", "/pause"): hang}, [], 1, "pausing failed", True, 2, {}),
+    (
+        "vllm-pause-trickles-body",
+        "vllm",
+        {("POST", "/pause"): trickle_body},
+        [],
+        1,
+        "no complete answer within",
+        True,
+        2,
+        {},
+    ),
+    (
+        "vllm-pause-trickles-headers",
+        "vllm",
+        {("POST", "/pause"): trickle_headers},
+        [],
+        1,
+        "no complete answer within",
+        True,
+        2,
+        {},
+    ),
+    (
+        "vllm-reload-hangs",
+        "vllm",
+        {("POST", "/collective_rpc"): hang},
+        [],
+        1,
+        "the server may still be loading it",
+        True,
+        2,
+        {},
+    ),
+    (
+        "vllm-reload-trickles",
+        "vllm",
+        {("POST", "/collective_rpc"): trickle_body},
+        [],
+        1,
+        "no complete answer within",
+        True,
+        2,
+        {},
+    ),
+    (
+        "vllm-version-trickles-headers",
+        "vllm",
+        {("GET", "/version"): trickle_headers},
+        [],
+        1,
+        "/version: no complete answer within",
+        False,
+        1,
+        {},
+    ),
+    ("vllm-resume-hangs", "vllm", {("POST", "/resume"): hang}, [], 1, "the server may still be paused", True, 2, {}),
+    (
+        "vllm-set-version-hangs",
+        "vllm",
+        {("POST", "/update_weight_version"): hang},
+        [],
+        1,
+        "/update_weight_version: no complete answer",
+        True,
+        2,
+        {},
+    ),
     # --- failures after the pause request was sent
-    ("vllm-pause-500", "vllm", {("POST", "/pause"): js(500, {"error": "Failed to pause generation: engine dead"})},
-     [], 1, "Failed to pause generation: engine dead; server resumed", True, 1, {}),
-    ("vllm-pause-drops", "vllm", {("POST", "/pause"): drop}, ["--retries", "0"], 1,
-     "connection broken before a complete answer", True, 1, {}),
-    ("vllm-pause-and-resume-500", "vllm", {("POST", "/pause"): js(500, {"error": "pause: no"}),
-                                           ("POST", "/resume"): js(500, {"error": "resume: no"})},
-     [], 1, "may still be paused (", True, 1, {"resume_cmd": True}),
-    ("vllm-reload-500-huge-forged-body", "vllm", {("POST", "/collective_rpc"): raw(500, HUGE)}, [], 1,
-     "boom \\n\\x1b[2K\\rvllm http://x: reloaded", True, 1, {}),
-    ("vllm-error-echoes-secrets", "vllm", {("POST", "/collective_rpc"): echo_secrets}, [], 1,
-     "unauthorized: got", True, 1, {"userinfo": True}),
-    ("vllm-unauthorized-before-pause", "vllm", {("GET", "/is_paused"): js(401, {"detail": "Unauthorized"})}, [], 1,
-     "/is_paused: HTTP 401: Unauthorized", False, 1, {}),
+    (
+        "vllm-pause-500",
+        "vllm",
+        {("POST", "/pause"): js(500, {"error": "Failed to pause generation: engine dead"})},
+        [],
+        1,
+        "Failed to pause generation: engine dead; server resumed",
+        True,
+        1,
+        {},
+    ),
+    (
+        "vllm-pause-drops",
+        "vllm",
+        {("POST", "/pause"): drop},
+        ["--retries", "0"],
+        1,
+        "connection broken before a complete answer",
+        True,
+        1,
+        {},
+    ),
+    (
+        "vllm-pause-and-resume-500",
+        "vllm",
+        {("POST", "/pause"): js(500, {"error": "pause: no"}), ("POST", "/resume"): js(500, {"error": "resume: no"})},
+        [],
+        1,
+        "may still be paused (",
+        True,
+        1,
+        {"resume_cmd": True},
+    ),
+    (
+        "vllm-reload-500-huge-forged-body",
+        "vllm",
+        {("POST", "/collective_rpc"): raw(500, HUGE)},
+        [],
+        1,
+        "boom \\n\\x1b[2K\\rvllm http://x: reloaded",
+        True,
+        1,
+        {},
+    ),
+    (
+        "vllm-error-echoes-secrets",
+        "vllm",
+        {("POST", "/collective_rpc"): echo_secrets},
+        [],
+        1,
+        "unauthorized: got",
+        True,
+        1,
+        {"userinfo": True},
+    ),
+    (
+        "vllm-unauthorized-before-pause",
+        "vllm",
+        {("GET", "/is_paused"): js(401, {"detail": "Unauthorized"})},
+        [],
+        1,
+        "/is_paused: HTTP 401: Unauthorized",
+        False,
+        1,
+        {},
+    ),
     # --- malformed replies: one line naming the server, the route and what was wrong
-    ("vllm-models-not-json", "vllm", {("GET", "/v1/models"): raw(200, b"<html>hello</html>")}, [], 1,
-     "/v1/models: HTTP 200: reply is not JSON", False, 1, {}),
-    ("vllm-models-list", "vllm", {("GET", "/v1/models"): js(200, [{"id": "m"}])}, [], 1,
-     "/v1/models: HTTP 200: reply is a JSON list, expected a JSON object", False, 1, {}),
-    ("vllm-models-empty", "vllm", {("GET", "/v1/models"): js(200, {"object": "list", "data": []})}, [], 1,
-     "/v1/models: HTTP 200: the server lists no model", False, 1, {}),
-    ("vllm-models-no-id", "vllm", {("GET", "/v1/models"): js(200, {"data": [{"root": 3}]})}, [], 1,
-     "/v1/models: HTTP 200: reply has no 'data[0].id'", False, 1, {}),
+    (
+        "vllm-models-not-json",
+        "vllm",
+        {("GET", "/v1/models"): raw(200, b"<html>hello</html>")},
+        [],
+        1,
+        "/v1/models: HTTP 200: reply is not JSON",
+        False,
+        1,
+        {},
+    ),
+    (
+        "vllm-models-list",
+        "vllm",
+        {("GET", "/v1/models"): js(200, [{"id": "m"}])},
+        [],
+        1,
+        "/v1/models: HTTP 200: reply is a JSON list, expected a JSON object",
+        False,
+        1,
+        {},
+    ),
+    (
+        "vllm-models-empty",
+        "vllm",
+        {("GET", "/v1/models"): js(200, {"object": "list", "data": []})},
+        [],
+        1,
+        "/v1/models: HTTP 200: the server lists no model",
+        False,
+        1,
+        {},
+    ),
+    (
+        "vllm-models-no-id",
+        "vllm",
+        {("GET", "/v1/models"): js(200, {"data": [{"root": 3}]})},
+        [],
+        1,
+        "/v1/models: HTTP 200: reply has no 'data[0].id'",
+        False,
+        1,
+        {},
+    ),
     ("vllm-is-paused-null", "vllm", {("GET", "/is_paused"): raw(200, b"")}, [], 0, None, True, 1, {}),
-    ("vllm-weight-info-gzip-garbage", "vllm",
-     {("GET", "/weight_info"): raw(200, b"\x1f\x8bnot gzip at all", [("Content-Encoding", "gzip")])}, [], 1,
-     "/weight_info: HTTP 200: reply body is not valid gzip data", False, 1, {}),
-    ("vllm-weight-info-real-gzip", "vllm",
-     {("GET", "/weight_info"): raw(200, gzip.compress(b'{"weight_version": "default"}'),
-                                   [("Content-Encoding", "gzip")])}, [], 0, None, True, 1, {}),
-    ("vllm-version-redirect-loop", "vllm", {("GET", "/version"): redirect_self}, [], 1,
-     "/version: HTTP 302: redirects to http://127.0.0.1:", False, 1, {}),
+    (
+        "vllm-weight-info-gzip-garbage",
+        "vllm",
+        {("GET", "/weight_info"): raw(200, b"\x1f\x8bnot gzip at all", [("Content-Encoding", "gzip")])},
+        [],
+        1,
+        "/weight_info: HTTP 200: reply body is not valid gzip data",
+        False,
+        1,
+        {},
+    ),
+    (
+        "vllm-weight-info-real-gzip",
+        "vllm",
+        {
+            ("GET", "/weight_info"): raw(
+                200, gzip.compress(b'{"weight_version": "default"}'), [("Content-Encoding", "gzip")]
+            )
+        },
+        [],
+        0,
+        None,
+        True,
+        1,
+        {},
+    ),
+    (
+        "vllm-version-redirect-loop",
+        "vllm",
+        {("GET", "/version"): redirect_self},
+        [],
+        1,
+        "/version: HTTP 302: redirects to http://127.0.0.1:",
+        False,
+        1,
+        {},
+    ),
     ("vllm-invalid-port", "vllm", {}, [], 1, "invalid server URL", False, 1, {"url": "http://127.0.0.1:99999"}),
     ("vllm-port-not-a-number", "vllm", {}, [], 1, "invalid server URL", False, 1, {"url": "http://127.0.0.1:80a"}),
     ("vllm-ftp-url", "vllm", {}, [], 1, "unsupported URL scheme 'ftp'", False, 1, {"url": "ftp://127.0.0.1:21"}),
     # --- item 17: the extension flag only when the method is really missing
-    ("vllm-moe-cpu-no-extension", "vllm",
-     {("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
-      ("POST", "/collective_rpc"): rpc_by_method({"qconvert_ping": MISSING})}, [], 1,
-     "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension", False, 1, {"moe": True}),
-    ("vllm-moe-cpu-rpc-fails-otherwise", "vllm",
-     {("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
-      ("POST", "/collective_rpc"): rpc_by_method({"qconvert_ping": js(500, {"error": {
-          "message": "Call to collective_rpc method failed: CUDA error: out of memory"}})})}, [], 1,
-     "/collective_rpc: HTTP 500: Call to collective_rpc method failed: CUDA error: out of memory", False, 1,
-     {"moe": True, "no_flag": True}),
+    (
+        "vllm-moe-cpu-no-extension",
+        "vllm",
+        {
+            ("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
+            ("POST", "/collective_rpc"): rpc_by_method({"qconvert_ping": MISSING}),
+        },
+        [],
+        1,
+        "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension",
+        False,
+        1,
+        {"moe": True},
+    ),
+    (
+        "vllm-moe-cpu-rpc-fails-otherwise",
+        "vllm",
+        {
+            ("GET", "/server_info"): js(200, {"vllm_config": "device_config=cpu"}),
+            ("POST", "/collective_rpc"): rpc_by_method(
+                {
+                    "qconvert_ping": js(
+                        500, {"error": {"message": "Call to collective_rpc method failed: CUDA error: out of memory"}}
+                    )
+                }
+            ),
+        },
+        [],
+        1,
+        "/collective_rpc: HTTP 500: Call to collective_rpc method failed: CUDA error: out of memory",
+        False,
+        1,
+        {"moe": True, "no_flag": True},
+    ),
     # --- SGLang
-    ("sglang-pause-hangs", "sglang", {("POST", "/pause_generation"): hang}, [], 1,
-     "pausing failed", True, 2, {}),
-    ("sglang-update-hangs", "sglang", {("POST", "/update_weights_from_disk"): hang}, [], 1,
-     "the server may still be loading it", True, 2, {}),
-    ("sglang-update-trickles", "sglang", {("POST", "/update_weights_from_disk"): trickle_body}, [], 1,
-     "no complete answer within", True, 2, {}),
-    ("sglang-pause-500", "sglang", {("POST", "/pause_generation"): js(500, {"detail": "scheduler gone"})}, [], 1,
-     "scheduler gone; server resumed", True, 1, {}),
-    ("sglang-update-not-json", "sglang", {("POST", "/update_weights_from_disk"): raw(200, b"OK")}, [], 1,
-     "/update_weights_from_disk: HTTP 200: reply is not a JSON object", True, 1, {}),
-    ("sglang-model-info-list", "sglang", {("GET", "/model_info"): js(200, ["/models/launch"])}, [], 1,
-     "/model_info: HTTP 200: reply is a JSON list, expected a JSON object", False, 1, {}),
-    ("sglang-continue-500", "sglang", {("POST", "/continue_generation"): js(500, {"detail": "nope"})}, [], 1,
-     "may still be paused", True, 1, {"resume_cmd": True}),
+    ("sglang-pause-hangs", "sglang", {("POST", "/pause_generation"): hang}, [], 1, "pausing failed", True, 2, {}),
+    (
+        "sglang-update-hangs",
+        "sglang",
+        {("POST", "/update_weights_from_disk"): hang},
+        [],
+        1,
+        "the server may still be loading it",
+        True,
+        2,
+        {},
+    ),
+    (
+        "sglang-update-trickles",
+        "sglang",
+        {("POST", "/update_weights_from_disk"): trickle_body},
+        [],
+        1,
+        "no complete answer within",
+        True,
+        2,
+        {},
+    ),
+    (
+        "sglang-pause-500",
+        "sglang",
+        {("POST", "/pause_generation"): js(500, {"detail": "scheduler gone"})},
+        [],
+        1,
+        "scheduler gone; server resumed",
+        True,
+        1,
+        {},
+    ),
+    (
+        "sglang-update-not-json",
+        "sglang",
+        {("POST", "/update_weights_from_disk"): raw(200, b"OK")},
+        [],
+        1,
+        "/update_weights_from_disk: HTTP 200: reply is not a JSON object",
+        True,
+        1,
+        {},
+    ),
+    (
+        "sglang-model-info-list",
+        "sglang",
+        {("GET", "/model_info"): js(200, ["/models/launch"])},
+        [],
+        1,
+        "/model_info: HTTP 200: reply is a JSON list, expected a JSON object",
+        False,
+        1,
+        {},
+    ),
+    (
+        "sglang-continue-500",
+        "sglang",
+        {("POST", "/continue_generation"): js(500, {"detail": "nope"})},
+        [],
+        1,
+        "may still be paused",
+        True,
+        1,
+        {"resume_cmd": True},
+    ),
 ]
 
 
@@ -326,11 +590,26 @@ def test_ctrl_c_cancels_and_resumes(ckpt, tmp_path):
     """Ctrl-C while /pause hangs (and --timeout is long): the command stops within seconds, resumes
     the server, says so, and exits 130."""
     srv = Hostile("vllm", {("POST", "/pause"): hang})
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               QCONVERT_STATE_DIR=str(tmp_path / "state"))
-    proc = subprocess.Popen([sys.executable, "-c", "from qconvert.cli import main; main()", "reload", "vllm",
-                             srv.url, str(ckpt), "--timeout", "300"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), QCONVERT_STATE_DIR=str(tmp_path / "state")
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from qconvert.cli import main; main()",
+            "reload",
+            "vllm",
+            srv.url,
+            str(ckpt),
+            "--timeout",
+            "300",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not srv.called("/pause") and time.monotonic() < deadline and proc.poll() is None:
@@ -376,8 +655,9 @@ def test_via_shm_removes_its_staging_area(ckpt, tmp_path):
 def test_via_shm_removes_area_after_failed_reload(ckpt, tmp_path):
     srv = Hostile("vllm", {("POST", "/collective_rpc"): js(500, {"error": {"message": "no"}})})
     try:
-        res = CliRunner().invoke(main, ["reload", "vllm", srv.url, str(ckpt), "--via", "shm", "--stage-name", "f"],
-                                 catch_exceptions=False)
+        res = CliRunner().invoke(
+            main, ["reload", "vllm", srv.url, str(ckpt), "--via", "shm", "--stage-name", "f"], catch_exceptions=False
+        )
     finally:
         srv.close()
     assert res.exit_code == 1 and "no" in res.stderr
@@ -394,25 +674,42 @@ def test_via_shm_cleanup_failure_is_one_line(ckpt, tmp_path, monkeypatch, caplog
     monkeypatch.setattr(staging, "drop_area", refuse)
     srv = Hostile("vllm", {})
     try:
-        res = CliRunner().invoke(main, ["reload", "vllm", srv.url, str(ckpt), "--via", "shm", "--stage-name", "g"],
-                                 catch_exceptions=False)
+        res = CliRunner().invoke(
+            main, ["reload", "vllm", srv.url, str(ckpt), "--via", "shm", "--stage-name", "g"], catch_exceptions=False
+        )
     finally:
         srv.close()
     assert res.exit_code == 0
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"could not remove the staging area {tmp_path / 'shm'}/g ([Errno 13] Permission denied: "
-        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage drop g"]
+        f"'{tmp_path / 'shm' / 'g'}'); remove it with: qconvert stage drop g"
+    ]
 
 
 def test_second_ctrl_c_stops_waiting_and_says_how_to_resume(ckpt, tmp_path):
     """Ctrl-C while /pause hangs, then again while /resume hangs too: the command ends at once, exit
     130, one line saying the server may still be paused and the command that resumes it."""
     srv = Hostile("vllm", {("POST", "/pause"): hang, ("POST", "/resume"): hang})
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               QCONVERT_STATE_DIR=str(tmp_path / "state"))
-    proc = subprocess.Popen([sys.executable, "-c", "from qconvert.cli import main; main()", "reload", "vllm",
-                             srv.url, str(ckpt), "--timeout", "300"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), QCONVERT_STATE_DIR=str(tmp_path / "state")
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from qconvert.cli import main; main()",
+            "reload",
+            "vllm",
+            srv.url,
+            str(ckpt),
+            "--timeout",
+            "300",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         for route in ("/pause", "/resume"):

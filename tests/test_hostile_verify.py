@@ -134,8 +134,13 @@ def test_hostile_verify(row, good, tmp_path):
     src = good["other"] if other_source else good["src"]
     before = _tree_digest(src)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", "from qconvert.cli import main; main()", "verify", str(src), str(dst)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", "from qconvert.cli import main; main()", "verify", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-3000:]
     assert "Traceback" not in out and "internal error" not in out, out[-3000:]

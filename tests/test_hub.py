@@ -78,8 +78,15 @@ class LocalHub:
             def do_POST(self):
                 p = self.path.split("?")[0]
                 body = self._body()
-                route = ("create" if p == "/api/repos/create" else "preupload" if "/preupload/" in p
-                         else "commit" if "/commit/" in p else None)
+                route = (
+                    "create"
+                    if p == "/api/repos/create"
+                    else "preupload"
+                    if "/preupload/" in p
+                    else "commit"
+                    if "/commit/" in p
+                    else None
+                )
                 if route in hub.fail:
                     return self._send(*hub.fail[route])
                 if p == "/api/validate-yaml":
@@ -88,9 +95,13 @@ class LocalHub:
                     d = json.loads(body)
                     rid = f"{d['organization']}/{d['name']}" if d.get("organization") else d["name"]
                     if rid in hub.repos:
-                        return self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{rid}"})
-                    hub.repos[rid] = {"private": d.get("visibility") == "private" or bool(d.get("private")),
-                                      "branches": {"main": {}}}
+                        return self._send(
+                            409, {"error": "You already created this model repo", "url": f"{hub.url}/{rid}"}
+                        )
+                    hub.repos[rid] = {
+                        "private": d.get("visibility") == "private" or bool(d.get("private")),
+                        "branches": {"main": {}},
+                    }
                     return self._send(200, {"url": f"{hub.url}/{rid}"})
                 m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/([^/]+)", p)
                 if m:
@@ -104,9 +115,20 @@ class LocalHub:
                     if m.group(1) not in hub.repos:
                         return self._send(404, {"error": "Repository not found"})
                     files = json.loads(body)["files"]
-                    return self._send(200, {"files": [
-                        {"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
-                         "shouldIgnore": False, "oid": None} for f in files]})
+                    return self._send(
+                        200,
+                        {
+                            "files": [
+                                {
+                                    "path": f["path"],
+                                    "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                                    "shouldIgnore": False,
+                                    "oid": None,
+                                }
+                                for f in files
+                            ]
+                        },
+                    )
                 m = re.fullmatch(r"/([^/]+/[^/]+)\.git/info/lfs/objects/batch", p)
                 if m:
                     objs = []
@@ -130,10 +152,18 @@ class LocalHub:
                         elif ln["key"] == "deletedFile":
                             files.pop(v["path"], None)
                     oid = hashlib.sha1(body).hexdigest()
-                    hub.commits.append({"repo": m.group(1), "revision": m.group(2), "oid": oid,
-                                        "summary": lines[0]["value"].get("summary")})
-                    return self._send(200, {"commitUrl": f"{hub.url}/{m.group(1)}/commit/{oid}", "commitOid": oid,
-                                            "pullRequestUrl": None})
+                    hub.commits.append(
+                        {
+                            "repo": m.group(1),
+                            "revision": m.group(2),
+                            "oid": oid,
+                            "summary": lines[0]["value"].get("summary"),
+                        }
+                    )
+                    return self._send(
+                        200,
+                        {"commitUrl": f"{hub.url}/{m.group(1)}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None},
+                    )
                 return self._send(404, {"error": f"no route POST {p}"})
 
             def do_PUT(self):
@@ -150,8 +180,15 @@ class LocalHub:
                 if m and m.group(1) in hub.repos:
                     rev = m.group(2) or "main"
                     sha = next((c["oid"] for c in reversed(hub.commits) if c["repo"] == m.group(1)), "0" * 40)
-                    return self._send(200, {"id": m.group(1), "sha": sha, "private": hub.repos[m.group(1)]["private"],
-                                            "siblings": [{"rfilename": f} for f in hub.repos[m.group(1)]["branches"].get(rev, {})]})
+                    return self._send(
+                        200,
+                        {
+                            "id": m.group(1),
+                            "sha": sha,
+                            "private": hub.repos[m.group(1)]["private"],
+                            "siblings": [{"rfilename": f} for f in hub.repos[m.group(1)]["branches"].get(rev, {})],
+                        },
+                    )
                 return self._send(404, {"error": "Repository not found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -196,6 +233,7 @@ def _code_blocks(card: str) -> list[str]:
 
 # ---- card ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dialect", ["auto", "sglang", "modelopt"])
 def test_card_mxfp8_yaml_and_commands(demo, dialect):
     card = render_card(demo[dialect], "org/tiny-mxfp8", base_model="Qwen/Qwen3-30B-A3B", source_text=SOURCE_CARD)
@@ -213,8 +251,10 @@ def test_card_mxfp8_yaml_and_commands(demo, dialect):
     cmds = _code_blocks(card)
     sgl = [c for c in cmds if "sglang.launch_server" in c]
     vll = [c for c in cmds if c.startswith("vllm serve")]
-    assert sgl == ["python -m sglang.launch_server --model-path org/tiny-mxfp8 --fp8-gemm-backend flashinfer_trtllm "
-                   "--moe-runner-backend flashinfer_trtllm_routed"]
+    assert sgl == [
+        "python -m sglang.launch_server --model-path org/tiny-mxfp8 --fp8-gemm-backend flashinfer_trtllm "
+        "--moe-runner-backend flashinfer_trtllm_routed"
+    ]
     assert "SM100+ only" in card and "marlin" not in " ".join(cmds)
     if dialect == "sglang":
         assert vll == [] and "Not loadable in vLLM" in card and "weight_scale_inv" in card
@@ -261,6 +301,7 @@ def test_card_nvfp4_commands(tmp_path, dialect):
 
 
 # ---- upload --------------------------------------------------------------------------------------
+
 
 def test_push_to_local_endpoint(demo, tmp_path, hub):
     dst = shutil.copytree(demo["auto"], tmp_path / "up")
@@ -327,19 +368,41 @@ def test_cli_convert_with_push_to_hub(demo, tmp_path, hub):
     src = shutil.copytree(demo["bf16"], tmp_path / "src")
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_test_token")
     dst = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "qconvert.cli", "mxfp8", str(src), str(dst), "--dialect", "modelopt",
-                        "--last-n-bf16", "1", "--push-to-hub", "org/cli", "--private", "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qconvert.cli",
+            "mxfp8",
+            str(src),
+            str(dst),
+            "--dialect",
+            "modelopt",
+            "--last-n-bf16",
+            "1",
+            "--push-to-hub",
+            "org/cli",
+            "--private",
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "PASSED" in p.stdout and "pushed" in p.stdout
     files = hub.repos["org/cli"]["branches"]["main"]
     assert hub.repos["org/cli"]["private"] is True
-    assert {"config.json", "hf_quant_config.json", "qconvert.json", "README.md", "model.safetensors.index.json"} <= set(files)
+    assert {"config.json", "hf_quant_config.json", "qconvert.json", "README.md", "model.safetensors.index.json"} <= set(
+        files
+    )
     readme = files["README.md"].decode()
     assert "`modelopt`: ModelOpt" in readme and "qconvert-demo" in _front(readme)["tags"]
 
 
 # ---- Hub errors ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("offline", [False, True], ids=["online", "HF_HUB_OFFLINE=1"])
 def test_hub_source_error_is_one_line_and_names_offline_only_when_set(tmp_path, offline):
@@ -355,28 +418,40 @@ def test_hub_source_error_is_one_line_and_names_offline_only_when_set(tmp_path, 
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{port}")
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    p = subprocess.run([sys.executable, "-m", "qconvert.cli", "mxfp8", "org/not-cached", str(tmp_path / "out"),
-                        "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "qconvert.cli", "mxfp8", "org/not-cached", str(tmp_path / "out"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and p.stderr.splitlines()[-1] == errors[0], p.stderr
     if offline:
-        assert re.fullmatch(r"error: org/not-cached: not a local directory, and not downloaded: HF_HUB_OFFLINE is "
-                            r"set, so the Hub is not contacted; unset it \(or use a local directory\)", errors[0]), errors[0]
+        assert re.fullmatch(
+            r"error: org/not-cached: not a local directory, and not downloaded: HF_HUB_OFFLINE is "
+            r"set, so the Hub is not contacted; unset it \(or use a local directory\)",
+            errors[0],
+        ), errors[0]
     else:
-        assert re.fullmatch(rf"error: org/not-cached: not a local directory, and not downloaded: cannot reach the Hub "
-                            rf"at http://127\.0\.0\.1:{port} \(ConnectError: .*\); check the network and HF_ENDPOINT",
-                            errors[0]), errors[0]
+        assert re.fullmatch(
+            rf"error: org/not-cached: not a local directory, and not downloaded: cannot reach the Hub "
+            rf"at http://127\.0\.0\.1:{port} \(ConnectError: .*\); check the network and HF_ENDPOINT",
+            errors[0],
+        ), errors[0]
     assert not (tmp_path / "out").exists()
 
 
 def test_card_written_by_v1_still_yields_its_source_card(demo):
     """Cards qconvert wrote before the lengths were recorded (v1) are still recognised as ours."""
-    v1 = ("---\nlibrary_name: transformers\ntags:\n- qconvert\n---\n<!-- qconvert-card v1 -->\n\n# x\n\n"
-          "## Original model card\n\n<!-- qconvert-source-card:begin -->\nOriginal metadata:\n\n```yaml\n"
-          "license: mit\ntags:\n- a\n```\n<!-- qconvert-source-card:body -->\n# Source\n\ntext\n"
-          "<!-- qconvert-source-card:end -->\n")
+    v1 = (
+        "---\nlibrary_name: transformers\ntags:\n- qconvert\n---\n<!-- qconvert-card v1 -->\n\n# x\n\n"
+        "## Original model card\n\n<!-- qconvert-source-card:begin -->\nOriginal metadata:\n\n```yaml\n"
+        "license: mit\ntags:\n- a\n```\n<!-- qconvert-source-card:body -->\n# Source\n\ntext\n"
+        "<!-- qconvert-source-card:end -->\n"
+    )
     assert source_card(v1) == ({"license": "mit", "tags": ["a"]}, "license: mit\ntags:\n- a", "# Source\n\ntext\n")
     card = render_card(demo["auto"], "org/x", base_model="a/b", source_text=v1)
     assert card.count("qconvert-card v") == 1 and "# Source\n\ntext\n" in card
@@ -418,8 +493,11 @@ def test_push_unverified_does_not_send_a_stale_verify_report(demo, tmp_path, hub
     assert (dst / "qconvert-verify.json").read_text() == '{"ok": true, "stale": true}\n'
 
 
-@pytest.mark.parametrize("flag,note", [("--allow-unverified", False), ("--force", True), (None, None)],
-                         ids=["allow-unverified", "deprecated-force", "neither"])
+@pytest.mark.parametrize(
+    "flag,note",
+    [("--allow-unverified", False), ("--force", True), (None, None)],
+    ids=["allow-unverified", "deprecated-force", "neither"],
+)
 def test_cli_push_allow_unverified_and_deprecated_force(flag, note, demo, tmp_path, hub):
     """`push --allow-unverified` pushes a checkpoint that cannot be verified; `--force`, its old
     spelling, does the same after a one-line deprecation note; neither refuses, naming the new flag."""
@@ -438,6 +516,9 @@ def test_cli_push_allow_unverified_and_deprecated_force(flag, note, demo, tmp_pa
         assert notes == []
         return
     assert r.exit_code == 0, r.output
-    assert notes == (["note: `qconvert push --force` is deprecated and goes in the next release; "
-                      "use --allow-unverified"] if note else [])
+    assert notes == (
+        ["note: `qconvert push --force` is deprecated and goes in the next release; use --allow-unverified"]
+        if note
+        else []
+    )
     assert "Not verified against the source" in hub.repos["org/unv"]["branches"]["main"]["README.md"].decode()

@@ -32,8 +32,7 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
 #: left to them or to the next tidy-up instead of colliding with their edits. ``what`` is an imported module (an edge
 #: that closes a cycle) or ``module.name`` (a private name used across modules). Remove an entry
 #: when it is mended: the test fails on entries that no longer match anything.
-PENDING: dict[tuple[str, str], str] = {
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:
@@ -119,8 +118,9 @@ class Imports:
     def private_uses(self) -> list[tuple[str, str, int]]:
         """(this module, ``other_module._name``, line) for each private name of another module
         imported (``from m import _x``) or used (``m._x``, ``qconvert.a.m._x``) here."""
-        out = [(self.mod, f"{src}.{name}", line) for src, name, line in self.names
-               if _private(name) and src != self.mod]
+        out = [
+            (self.mod, f"{src}.{name}", line) for src, name, line in self.names if _private(name) and src != self.mod
+        ]
         for n in ast.walk(self.tree):
             if isinstance(n, ast.Attribute) and _private(n.attr):
                 target = self._module_of(n.value)
@@ -199,16 +199,20 @@ def test_cycle_and_private_detectors_fire():
 
 
 def _edges_left() -> dict[str, set[str]]:
-    return {m: {t for t in imp.edges if (m, t) not in ALLOWED_LAZY and (m, t) not in PENDING}
-            for m, imp in IMPORTS.items()}
+    return {
+        m: {t for t in imp.edges if (m, t) not in ALLOWED_LAZY and (m, t) not in PENDING} for m, imp in IMPORTS.items()
+    }
 
 
 def test_no_import_cycle():
     edges = _edges_left()
     cycles = _cycles(edges)
-    detail = [" -> ".join(c) + ": " + "; ".join(f"{m} imports {t} (line {IMPORTS[m].edges[t]})"
-                                                  for m in c for t in sorted(edges[m]) if t in c)
-              for c in cycles]
+    detail = [
+        " -> ".join(c)
+        + ": "
+        + "; ".join(f"{m} imports {t} (line {IMPORTS[m].edges[t]})" for m in c for t in sorted(edges[m]) if t in c)
+        for c in cycles
+    ]
     assert not cycles, "\n".join(detail)
 
 

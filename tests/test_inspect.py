@@ -23,14 +23,16 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 # ---- fixtures shared with test_verify / test_hub -----------------------------------------------
 
+
 def demo_conversions(root: Path) -> dict[str, Path]:
     """Tiny Qwen3-MoE (4 layers, last one BF16) converted to every MXFP8 dialect."""
     src = root / "bf16"
     build_demo_model(src, arch="qwen3-moe")
     out = {"bf16": src}
     for d in ("auto", "sglang", "modelopt"):
-        opts = ConvertOptions(scheme="mxfp8", dialect=d, plan=PlanOptions(scheme="mxfp8", last_n_bf16=1),
-                              progress=False, fsync=False)
+        opts = ConvertOptions(
+            scheme="mxfp8", dialect=d, plan=PlanOptions(scheme="mxfp8", last_n_bf16=1), progress=False, fsync=False
+        )
         convert(str(src), root / d, "mxfp8", opts)
         out[d] = root / d
     return out
@@ -53,9 +55,17 @@ def nvfp4_encode(w: torch.Tensor, s2: float):
     return packed.contiguous(), scale.contiguous()
 
 
-TINY_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32,
-            "intermediate_size": 128, "torch_dtype": "bfloat16"}
+TINY_CFG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 32,
+    "intermediate_size": 128,
+    "torch_dtype": "bfloat16",
+}
 
 
 def tiny_source(root: Path, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -98,21 +108,52 @@ def nvfp4_checkpoint(root: Path, src: dict[str, torch.Tensor], dialect: str) -> 
     cfg = dict(TINY_CFG)
     if dialect == "modelopt":
         cfg["quantization_config"] = {
-            "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-                                          "input_activations": {"dynamic": False, "num_bits": 4, "type": "float",
-                                                                "group_size": 16}, "targets": ["Linear"]}},
-            "producer": {"name": "modelopt", "version": "0.47.0"}}
-        (root / "hf_quant_config.json").write_text(json.dumps({
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                    "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                    "targets": ["Linear"],
+                }
+            },
             "producer": {"name": "modelopt", "version": "0.47.0"},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                             "exclude_modules": ["lm_head"]}}))
+        }
+        (root / "hf_quant_config.json").write_text(
+            json.dumps(
+                {
+                    "producer": {"name": "modelopt", "version": "0.47.0"},
+                    "quantization": {
+                        "quant_algo": "NVFP4",
+                        "kv_cache_quant_algo": None,
+                        "group_size": 16,
+                        "exclude_modules": ["lm_head"],
+                    },
+                }
+            )
+        )
     else:
         cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-                "dynamic": False, "scale_dtype": "float8_e4m3fn"}, "input_activations": None}}}
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "strategy": "tensor_group",
+                        "group_size": 16,
+                        "symmetric": True,
+                        "dynamic": False,
+                        "scale_dtype": "float8_e4m3fn",
+                    },
+                    "input_activations": None,
+                }
+            },
+        }
     (root / "config.json").write_text(json.dumps(cfg))
     save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
     return root
@@ -120,11 +161,15 @@ def nvfp4_checkpoint(root: Path, src: dict[str, torch.Tensor], dialect: str) -> 
 
 # ---- tests ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dialect,vllm,sglang,keys", [
-    ("auto", True, True, {"ignored_layers", "modules_to_not_convert"}),
-    ("sglang", False, True, {"modules_to_not_convert"}),
-    ("modelopt", True, True, {"ignore", "exclude_modules"}),
-])
+
+@pytest.mark.parametrize(
+    "dialect,vllm,sglang,keys",
+    [
+        ("auto", True, True, {"ignored_layers", "modules_to_not_convert"}),
+        ("sglang", False, True, {"modules_to_not_convert"}),
+        ("modelopt", True, True, {"ignore", "exclude_modules"}),
+    ],
+)
 def test_inspect_qconvert_mxfp8_dialects(demo, dialect, vllm, sglang, keys):
     r = inspect_checkpoint(demo[dialect])
     man = json.loads((demo[dialect] / "qconvert.json").read_text())
@@ -159,7 +204,9 @@ def test_inspect_bf16(demo):
     assert all(e.loads for e in r.engines)
 
 
-@pytest.mark.parametrize("dialect,scale_key", [("modelopt", "weight_scale_2"), ("compressed-tensors", "weight_global_scale")])
+@pytest.mark.parametrize(
+    "dialect,scale_key", [("modelopt", "weight_scale_2"), ("compressed-tensors", "weight_global_scale")]
+)
 def test_inspect_handbuilt_nvfp4(tmp_path, dialect, scale_key):
     src = tiny_source(tmp_path / "src")
     ck = nvfp4_checkpoint(tmp_path / dialect, src, dialect)
@@ -183,13 +230,22 @@ def test_inspect_third_party_modelopt_mxfp8_without_config_block(tmp_path):
     root = tmp_path / "mo"
     root.mkdir()
     (root / "config.json").write_text(json.dumps(TINY_CFG))
-    (root / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
-        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
-    save_file({
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn),
-        "model.layers.0.self_attn.q_proj.weight_scale": torch.full((64, 2), 120, dtype=torch.uint8),
-        "lm_head.weight": torch.randn(32, 64, generator=g).bfloat16(),
-    }, str(root / "model.safetensors"))
+    (root / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+            }
+        )
+    )
+    save_file(
+        {
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn),
+            "model.layers.0.self_attn.q_proj.weight_scale": torch.full((64, 2), 120, dtype=torch.uint8),
+            "lm_head.weight": torch.randn(32, 64, generator=g).bfloat16(),
+        },
+        str(root / "model.safetensors"),
+    )
     r = inspect_checkpoint(root)
     assert (r.scheme, r.dialect, r.producer) == ("mxfp8", "modelopt", "modelopt")
     assert any("hf_quant_config.json" in n for n in r.notes)
@@ -200,8 +256,13 @@ def test_inspect_quantized_tensors_without_config_is_unknown(tmp_path):
     root = tmp_path / "x"
     root.mkdir()
     (root / "config.json").write_text(json.dumps(TINY_CFG))
-    save_file({"a.weight": torch.zeros(4, 32, dtype=torch.float8_e4m3fn),
-               "a.weight_scale": torch.zeros(4, 1, dtype=torch.uint8)}, str(root / "model.safetensors"))
+    save_file(
+        {
+            "a.weight": torch.zeros(4, 32, dtype=torch.float8_e4m3fn),
+            "a.weight_scale": torch.zeros(4, 1, dtype=torch.uint8),
+        },
+        str(root / "model.safetensors"),
+    )
     r = inspect_checkpoint(root)
     assert r.scheme == "unknown"
     assert "no quantization_config" in r.notes[0]
@@ -213,17 +274,36 @@ def test_inspect_preshuffled_layout_contract(tmp_path, demo):
     root.mkdir()
     cfg = json.loads((demo["auto"] / "config.json").read_text())
     (root / "config.json").write_text(json.dumps(cfg))
-    contract = {"layout": "flashinfer-trtllm", "layout_version": 1, "engine": "vllm", "engine_version": "0.33.0",
-                "flashinfer_version": "0.7.4", "scheme": "mxfp8", "tp": 1, "ep": 1}
-    (root / "qconvert.json").write_text(json.dumps({"qconvert_version": "0.1.0", "scheme": "mxfp8", "dialect": "auto",
-                                                    "layouts": {"model.layers.0.mlp.experts": contract}}))
-    save_file({
-        "model.layers.0.mlp.experts.w13_weight": torch.zeros(8, 256, 256, dtype=torch.float8_e4m3fn),
-        "model.layers.0.mlp.experts.w13_weight_scale": torch.zeros(8, 256, 8, dtype=torch.uint8),
-        "model.layers.0.mlp.experts.w2_weight": torch.zeros(8, 256, 128, dtype=torch.float8_e4m3fn),
-        "model.layers.0.mlp.experts.w2_weight_scale": torch.zeros(8, 256, 4, dtype=torch.uint8),
-        "lm_head.weight": torch.zeros(512, 256, dtype=torch.bfloat16),
-    }, str(root / "model.safetensors"))
+    contract = {
+        "layout": "flashinfer-trtllm",
+        "layout_version": 1,
+        "engine": "vllm",
+        "engine_version": "0.33.0",
+        "flashinfer_version": "0.7.4",
+        "scheme": "mxfp8",
+        "tp": 1,
+        "ep": 1,
+    }
+    (root / "qconvert.json").write_text(
+        json.dumps(
+            {
+                "qconvert_version": "0.1.0",
+                "scheme": "mxfp8",
+                "dialect": "auto",
+                "layouts": {"model.layers.0.mlp.experts": contract},
+            }
+        )
+    )
+    save_file(
+        {
+            "model.layers.0.mlp.experts.w13_weight": torch.zeros(8, 256, 256, dtype=torch.float8_e4m3fn),
+            "model.layers.0.mlp.experts.w13_weight_scale": torch.zeros(8, 256, 8, dtype=torch.uint8),
+            "model.layers.0.mlp.experts.w2_weight": torch.zeros(8, 256, 128, dtype=torch.float8_e4m3fn),
+            "model.layers.0.mlp.experts.w2_weight_scale": torch.zeros(8, 256, 4, dtype=torch.uint8),
+            "lm_head.weight": torch.zeros(512, 256, dtype=torch.bfloat16),
+        },
+        str(root / "model.safetensors"),
+    )
     r = inspect_checkpoint(root)
     assert r.scheme == "mxfp8" and r.layouts == [contract]
     mods = {m.name: m for m in r.modules}
@@ -258,8 +338,15 @@ def test_inspect_says_recipe_and_w4a16_or_w4a4(tmp_path, dialect):
     seen = {}
     for mode, recipe in (("weight-only", "te"), ("unit", "modelopt")):
         dst = tmp_path / f"{dialect}-{mode}"
-        opts = ConvertOptions(scheme="nvfp4", dialect=dialect, recipe=recipe, input_mode=mode,
-                              plan=PlanOptions(scheme="nvfp4"), progress=False, fsync=False)
+        opts = ConvertOptions(
+            scheme="nvfp4",
+            dialect=dialect,
+            recipe=recipe,
+            input_mode=mode,
+            plan=PlanOptions(scheme="nvfp4"),
+            progress=False,
+            fsync=False,
+        )
         convert(str(src), dst, "nvfp4", opts)
         r = inspect_checkpoint(dst)
         seen[mode] = (r.activations, r.recipe)

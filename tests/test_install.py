@@ -60,8 +60,13 @@ print(json.dumps(bad))
 def venv(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("fresh") / ".venv"
     subprocess.run([sys.executable, "-m", "venv", str(d)], check=True)
-    r = subprocess.run([str(d / "bin" / "pip"), "install", "-q", "-c", "constraints.txt", "-e", "."], cwd=REPO,
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [str(d / "bin" / "pip"), "install", "-q", "-c", "constraints.txt", "-e", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return d
 
@@ -74,8 +79,12 @@ def _run(venv: Path, *args: str, extra_env: dict | None = None) -> subprocess.Co
 
 
 def test_fresh_install_has_no_test_extras(venv):
-    r = _run(venv, str(venv / "bin" / "python"), "-c", "import importlib.util as u; "
-             "print([m for m in ('requests', 'pytest', 'hypothesis') if u.find_spec(m)])")
+    r = _run(
+        venv,
+        str(venv / "bin" / "python"),
+        "-c",
+        "import importlib.util as u; print([m for m in ('requests', 'pytest', 'hypothesis') if u.find_spec(m)])",
+    )
     assert r.returncode == 0, r.stderr
     # requests may come in as some dependency's dependency; what matters is that qconvert does not need it
     assert "pytest" not in r.stdout and "hypothesis" not in r.stdout
@@ -109,11 +118,26 @@ def test_reload_vllm_real_call(venv, tmp_path):
     save_file({"model.norm.weight": torch.ones(8, dtype=torch.bfloat16)}, ckpt / "model.safetensors")
     srv = Hostile("vllm", {})
     try:
-        r = _run(venv, str(venv / "bin" / "qconvert"), "reload", "vllm", srv.url, str(ckpt), "--weight-version",
-                 "fresh-1", "--timeout", "20", extra_env={"QCONVERT_STATE_DIR": str(tmp_path / "state")})
+        r = _run(
+            venv,
+            str(venv / "bin" / "qconvert"),
+            "reload",
+            "vllm",
+            srv.url,
+            str(ckpt),
+            "--weight-version",
+            "fresh-1",
+            "--timeout",
+            "20",
+            extra_env={"QCONVERT_STATE_DIR": str(tmp_path / "state")},
+        )
     finally:
         srv.close()
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith(f"vllm {srv.url}: reloaded, weight version fresh-1"), r.stdout
-    assert [p for m, p in srv.calls if m == "POST"] == ["/pause", "/collective_rpc", "/update_weight_version",
-                                                        "/resume"]
+    assert [p for m, p in srv.calls if m == "POST"] == [
+        "/pause",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/resume",
+    ]

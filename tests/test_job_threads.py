@@ -19,21 +19,27 @@ READ_BACK = ShardWriter.read_back
 
 
 def digests(d: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
-            if p.name != "qconvert.json"}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.name != "qconvert.json"
+    }
 
 
 def run(src, dst, scheme, monkeypatch, small_bytes, workers, streams=1) -> dict[str, str]:
     monkeypatch.setattr(kernels, "SMALL_JOB_BYTES", small_bytes)
     monkeypatch.setattr(kernels, "CPU_WORKERS", workers)
     monkeypatch.setattr(kernels, "READ_STREAMS", streams)
+
     def read_back(self, name, chunk=0):  # the writer reads a tensor back only if it came early
         raise AssertionError(f"{self.path}: {name} reached the writer out of order")
 
     # one input shard at a time: outputs reach the writer in file order
     monkeypatch.setattr(ShardWriter, "read_back", read_back if streams == 1 else READ_BACK)
-    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1),
-                                                  progress=False, fsync=False))
+    convert(
+        str(src),
+        dst,
+        scheme,
+        ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1), progress=False, fsync=False),
+    )
     man = json.loads((dst / "qconvert.json").read_text())
     assert man["outputs"]["sha256"] == {k: v for k, v in digests(dst).items() if k.endswith(".safetensors")}
     return digests(dst)
@@ -58,8 +64,10 @@ def test_a_failing_job_on_a_job_thread_fails_the_conversion(demo_moe, tmp_path, 
     def job(tp, *a, **k):
         j = real(tp, *a, **k)
         if tp.name.endswith("layers.1.mlp.experts.3.up_proj.weight"):
+
             def boom(src):
                 raise CheckpointError(f"tensor {tp.name!r}: injected failure")
+
             j.fn = boom
         return j
 
@@ -90,8 +98,12 @@ def test_a_full_read_budget_does_not_stall_job_threads(demo_moe, tmp_path, monke
     monkeypatch.setattr(jobs, "mxfp8_job", job)
     dst = tmp_path / "q"
     out: list = []
-    t = threading.Thread(target=lambda: out.append(convert(
-        str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False, queue_bytes=1))), daemon=True)
+    t = threading.Thread(
+        target=lambda: out.append(
+            convert(str(demo_moe), dst, "mxfp8", ConvertOptions(progress=False, fsync=False, queue_bytes=1))
+        ),
+        daemon=True,
+    )
     t.start()
     t.join(60)
     assert not t.is_alive(), "conversion stalled with the read budget full"

@@ -39,8 +39,25 @@ def test_layout_roundtrip(demo_moe, tmp_path, scheme, engine, tp, ep, extra):
     if scheme != "bf16":
         res = r.invoke(main, [scheme, str(demo_moe), str(plain), "--no-progress", *last, *extra])
         assert res.exit_code == 0, res.output
-    res = r.invoke(main, [scheme, str(demo_moe), str(lay), "--no-progress", "--layout", "flashinfer-trtllm",
-                          "--engine", engine, "--tp", str(tp), "--ep", str(ep), *last, *extra])
+    res = r.invoke(
+        main,
+        [
+            scheme,
+            str(demo_moe),
+            str(lay),
+            "--no-progress",
+            "--layout",
+            "flashinfer-trtllm",
+            "--engine",
+            engine,
+            "--tp",
+            str(tp),
+            "--ep",
+            str(ep),
+            *last,
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     lt, _ = load_dir(lay)
     # experts only under the layout namespace; nothing a stock loader would take for its own params
@@ -60,6 +77,7 @@ def test_layout_roundtrip(demo_moe, tmp_path, scheme, engine, tp, ep, extra):
         assert lt["model.layers.0.mlp.experts.trtllm.w13_weight"].shape == (8, 256 // 64, 256, 64)
     if engine == "vllm" and scheme == "bf16":
         from qconvert.convert.layouts.trtllm import rank_shape
+
         ip = rank_shape("bf16", "vllm", 8, 128, 256, tp=2).ip  # per-rank I after vLLM's padding
         assert lt["model.layers.0.mlp.experts.trtllm_tp1_ep0.w13_weight"].shape == (8, 2 * ip, 256)
     if scheme == "mxfp8":
@@ -87,8 +105,13 @@ def test_layout_roundtrip(demo_moe, tmp_path, scheme, engine, tp, ep, extra):
 def test_bf16_layout_unshuffles_to_source(demo_moe, tmp_path):
     r = CliRunner()
     lay, back = tmp_path / "layout", tmp_path / "back"
-    assert r.invoke(main, ["bf16", str(demo_moe), str(lay), "--layout", "flashinfer-trtllm", "--engine", "sglang",
-                           "--no-progress"]).exit_code == 0
+    assert (
+        r.invoke(
+            main,
+            ["bf16", str(demo_moe), str(lay), "--layout", "flashinfer-trtllm", "--engine", "sglang", "--no-progress"],
+        ).exit_code
+        == 0
+    )
     res = r.invoke(main, ["unshuffle", str(lay), str(back)])
     assert res.exit_code == 0, res.output
     st, _ = load_dir(demo_moe)
@@ -104,8 +127,20 @@ def test_layout_refusals(demo_moe, demo_dense, tmp_path):
     assert res.exit_code == 1 and "--input-scale unit" in res.output and not (tmp_path / "a").exists()
     res = r.invoke(main, ["mxfp8", str(demo_dense), str(tmp_path / "b"), "--layout", "flashinfer-trtllm"])
     assert res.exit_code == 1 and "no MoE experts" in res.output
-    res = r.invoke(main, ["mxfp8", str(demo_moe), str(tmp_path / "c"), "--layout", "flashinfer-trtllm", "--engine",
-                          "sglang", "--tp", "2"])
+    res = r.invoke(
+        main,
+        [
+            "mxfp8",
+            str(demo_moe),
+            str(tmp_path / "c"),
+            "--layout",
+            "flashinfer-trtllm",
+            "--engine",
+            "sglang",
+            "--tp",
+            "2",
+        ],
+    )
     assert res.exit_code == 1 and "tp" in res.output.lower() and not (tmp_path / "c").exists()
     res = r.invoke(main, ["bf16", str(demo_moe), str(tmp_path / "d")])
     assert res.exit_code != 0 and "--layout" in res.output
@@ -121,7 +156,10 @@ def test_verify_checks_layout_values(demo_moe, tmp_path):
 
     lay = tmp_path / "layout"
     r = CliRunner()
-    assert r.invoke(main, ["mxfp8", str(demo_moe), str(lay), "--layout", "flashinfer-trtllm", "--no-progress"]).exit_code == 0
+    assert (
+        r.invoke(main, ["mxfp8", str(demo_moe), str(lay), "--layout", "flashinfer-trtllm", "--no-progress"]).exit_code
+        == 0
+    )
     rep = verify(str(demo_moe), str(lay))
     assert rep.ok, rep.failures
     assert rep.checks["layout"].startswith("ok") and len(rep.tensors) == 4 * (4 + 8 * 3)

@@ -157,7 +157,10 @@ def vllm_prep():
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import swizzle_mxfp8_scale
 
     return types.SimpleNamespace(
-        fu=fu, f4=f4, backend=NvFp4MoeBackend.FLASHINFER_TRTLLM, experts=TrtLlmNvFp4ExpertsBase,
+        fu=fu,
+        f4=f4,
+        backend=NvFp4MoeBackend.FLASHINFER_TRTLLM,
+        experts=TrtLlmNvFp4ExpertsBase,
         swizzle=swizzle_mxfp8_scale,
     )
 
@@ -271,18 +274,39 @@ def test_nvfp4_vllm_equals_vllm_preparation(vllm_prep, cpu_block_scale_interleav
         a, b = _rank_slice(w13, w2, i, tp, r, per=2)
         sa, sb = _rank_slice(s13, s2, i, tp, r, per=16)
         mc = types.SimpleNamespace(
-            is_act_and_mul=True, hidden_dim=h, hidden_dim_unpadded=None,
+            is_act_and_mul=True,
+            hidden_dim=h,
+            hidden_dim_unpadded=None,
             intermediate_size_per_partition=i // tp,
             moe_parallel_config=types.SimpleNamespace(enable_eplb=False),
         )
         layer = types.SimpleNamespace(moe_config=mc, activation=types.SimpleNamespace(is_gated=True))
         ref = vllm_prep.f4.prepare_nvfp4_moe_layer_for_fi_or_cutlass(
-            vllm_prep.backend, layer, a, sa, ws13[:, 0].contiguous(), a13.clone(),
-            b, sb, ws2.clone(), a2.clone(), True,
+            vllm_prep.backend,
+            layer,
+            a,
+            sa,
+            ws13[:, 0].contiguous(),
+            a13.clone(),
+            b,
+            sb,
+            ws2.clone(),
+            a2.clone(),
+            True,
         )
         got = L.to_trtllm(
-            "nvfp4", "vllm", w13, w2, s13, s2, w13_weight_scale_2=ws13, w2_weight_scale_2=ws2,
-            w13_input_scale=a13, w2_input_scale=a2, tp=tp, tp_rank=r,
+            "nvfp4",
+            "vllm",
+            w13,
+            w2,
+            s13,
+            s2,
+            w13_weight_scale_2=ws13,
+            w2_weight_scale_2=ws2,
+            w13_input_scale=a13,
+            w2_input_scale=a2,
+            tp=tp,
+            tp_rank=r,
         )
         names = ("w13_weight", "w13_weight_scale", None, None, "w2_weight", "w2_weight_scale")
         for k, v in zip(names, ref):
@@ -295,9 +319,7 @@ def test_nvfp4_vllm_equals_vllm_preparation(vllm_prep, cpu_block_scale_interleav
         for n, v in zip(("w2_weight_scale_2", "w2_input_scale"), ref[6:8]):
             mod.register_parameter(n, torch.nn.Parameter(v.clone(), requires_grad=False))
         ex = object.__new__(vllm_prep.experts)
-        ex.quant_config = types.SimpleNamespace(
-            g1_alphas=mod.w13_weight_scale_2, a2_gscale=1.0 / mod.w2_input_scale
-        )
+        ex.quant_config = types.SimpleNamespace(g1_alphas=mod.w13_weight_scale_2, a2_gscale=1.0 / mod.w2_input_scale)
         ex.moe_config, ex.is_situ, ex.gemm1_alpha = mc, False, None
         ex._gemm1_clamp_limit_unfolded = ex._gemm1_beta_unfolded = None
         ex.process_weights_after_loading(mod)
@@ -322,8 +344,7 @@ def test_mxfp8_vllm_padding_and_zero_bytes():
     assert int((_u8(got["w13_weight_scale"]) == 0).sum()) == 0
     assert int((_u8(got["w2_weight_scale"]) == 0).sum()) == 0
     # read back with padding kept: padded rows/cols hold 127 and zero weights
-    full = L.from_trtllm("mxfp8", "vllm", got, intermediate_size=128, hidden_size=256,
-                         padding=L.Padding(scale_pad=127))
+    full = L.from_trtllm("mxfp8", "vllm", got, intermediate_size=128, hidden_size=256, padding=L.Padding(scale_pad=127))
     s = full["w13_weight_scale"]
     assert torch.all(s[:, i:128] == 127) and torch.all(s[:, 128 + i :] == 127)
     assert torch.all(s[:, :, h // 32 :] == 127)
@@ -358,19 +379,27 @@ def test_refusals():
 
 def _plain(scheme, e, i, h, g):
     if scheme == "bf16":
-        return dict(w13=torch.randn(e, 2 * i, h, generator=g).bfloat16(), w2=torch.randn(e, h, i, generator=g).bfloat16())
+        return dict(
+            w13=torch.randn(e, 2 * i, h, generator=g).bfloat16(), w2=torch.randn(e, h, i, generator=g).bfloat16()
+        )
     if scheme == "mxfp8":
         w13 = torch.randint(0, 256, (e, 2 * i, h), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
         w2 = torch.randint(0, 256, (e, h, i), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-        return dict(w13=w13, w2=w2, w13_scale=torch.randint(1, 255, (e, 2 * i, h // 32), dtype=torch.uint8, generator=g),
-                    w2_scale=torch.randint(1, 255, (e, h, i // 32), dtype=torch.uint8, generator=g))
+        return dict(
+            w13=w13,
+            w2=w2,
+            w13_scale=torch.randint(1, 255, (e, 2 * i, h // 32), dtype=torch.uint8, generator=g),
+            w2_scale=torch.randint(1, 255, (e, h, i // 32), dtype=torch.uint8, generator=g),
+        )
     return dict(
         w13=torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=g),
         w2=torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=g),
         w13_scale=torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
         w2_scale=torch.randint(0, 256, (e, h, i // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
-        w13_weight_scale_2=torch.rand(e, 2, generator=g), w2_weight_scale_2=torch.rand(e, generator=g),
-        w13_input_scale=torch.rand(e, generator=g) + 0.1, w2_input_scale=torch.rand(e, generator=g) + 0.1,
+        w13_weight_scale_2=torch.rand(e, 2, generator=g),
+        w2_weight_scale_2=torch.rand(e, generator=g),
+        w13_input_scale=torch.rand(e, generator=g) + 0.1,
+        w2_input_scale=torch.rand(e, generator=g) + 0.1,
     )
 
 
@@ -392,9 +421,17 @@ def test_round_trip_is_identity(scheme, engine, e, i_units, h_units, tp, seed):
         h = h_units * 64
     p = _plain(scheme, e, i, h, _gen(seed))
     ranks = L.transform_moe_layer(
-        {"w13_weight": p["w13"], "w2_weight": p["w2"], "w13_weight_scale": p.get("w13_scale"),
-         "w2_weight_scale": p.get("w2_scale"), **{k: v for k, v in p.items() if "_scale_" in k or "input" in k}},
-        scheme, engine, tp=tp, zero_scale_byte="keep",
+        {
+            "w13_weight": p["w13"],
+            "w2_weight": p["w2"],
+            "w13_weight_scale": p.get("w13_scale"),
+            "w2_weight_scale": p.get("w2_scale"),
+            **{k: v for k, v in p.items() if "_scale_" in k or "input" in k},
+        },
+        scheme,
+        engine,
+        tp=tp,
+        zero_scale_byte="keep",
     )
     back = L.untransform_moe_layer(ranks, scheme, engine, intermediate_size=i, hidden_size=h, tp=tp)
     _eq(back["w13_weight"], p["w13"])
@@ -459,10 +496,14 @@ def test_kernel_layout_contract():
 
     stored = json.loads(json.dumps(c))
     L.check_kernel_layout_contract(stored, c)
-    other = L.kernel_layout_contract("mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=2)
+    other = L.kernel_layout_contract(
+        "mxfp8", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H, tp=2
+    )
     with pytest.raises(L.LayoutError, match="tp"):
         L.check_kernel_layout_contract(stored, other)
     s = L.kernel_layout_contract("bf16", "sglang", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H)
     assert s["weight_layout"] == "BlockMajorK" and s["block_k_bytes"] == 128
     with pytest.raises(L.LayoutError):
-        L.check_kernel_layout_contract(s, L.kernel_layout_contract("bf16", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H))
+        L.check_kernel_layout_contract(
+            s, L.kernel_layout_contract("bf16", "vllm", num_experts=128, intermediate_size=QWEN_I, hidden_size=QWEN_H)
+        )

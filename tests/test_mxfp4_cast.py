@@ -34,7 +34,12 @@ def _mxfp4(rows, k, exp_lo, exp_hi, seed, zero_blocks=0.0, neg_zero=0.1):
 
 
 CASES = [  # (exponent range, zero-block fraction): in range; spread past the 18-exponent window; tiny and huge
-    ((-4, 2), 0.0), ((-3, 3), 0.2), ((-30, 4), 0.1), ((-120, -100), 0.05), ((60, 100), 0.0), ((-8, 9), 0.3),
+    ((-4, 2), 0.0),
+    ((-3, 3), 0.2),
+    ((-30, 4), 0.1),
+    ((-120, -100), 0.05),
+    ((60, 100), 0.0),
+    ((-8, 9), 0.3),
 ]
 
 

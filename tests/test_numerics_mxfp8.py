@@ -20,8 +20,7 @@ BYTE0_LIMIT = 448.0 * 2.0**-127
 # BF16 above 1.75, and the largest BF16 mantissa.
 MANTISSAS = (1.0, 1.75, 1.75 + 2.0**-7, 2.0 - 2.0**-7)
 # Exponents from the BF16 subnormal range to the top of the BF16 range.
-EXPONENTS = (-133, -130, -127, -126, -125, -120, -119, -118, -100, -60, -10, -1, 0, 1, 8, 9,
-             60, 100, 120, 126, 127)
+EXPONENTS = (-133, -130, -127, -126, -125, -120, -119, -118, -100, -60, -10, -1, 0, 1, 8, 9, 60, 100, 120, 126, 127)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +59,12 @@ def adversarial_bf16(seed: int = 0) -> torch.Tensor:
             if amax < 2.0**-133:
                 continue
             scale = 2.0 ** _rceil_exponent(amax)
-            pool = torch.cat([
-                mids * scale,
-                torch.tensor([0.0, -0.0, 448.0 * scale, 2.0**-133, 3 * 2.0**-133]),
-            ])
+            pool = torch.cat(
+                [
+                    mids * scale,
+                    torch.tensor([0.0, -0.0, 448.0 * scale, 2.0**-133, 3 * 2.0**-133]),
+                ]
+            )
             for rep in range(2):
                 idx = torch.randint(0, len(pool), (MXFP8_BLOCK,), generator=g)
                 vals = pool[idx]
@@ -272,8 +273,7 @@ def test_dequantize_round_trip(make):
 def test_dequantize_matches_vllm(vllm_quant):
     x = random_bf16(seed=5)
     q, s = mxfp8_quantize(x)
-    assert torch.equal(mxfp8_dequantize(q, s, dtype=torch.bfloat16),
-                       vllm_quant.dequant_mxfp8_to_bf16(q, s))
+    assert torch.equal(mxfp8_dequantize(q, s, dtype=torch.bfloat16), vllm_quant.dequant_mxfp8_to_bf16(q, s))
 
 
 def test_shapes_and_errors():

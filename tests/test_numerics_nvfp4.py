@@ -193,9 +193,7 @@ extern "C" void te_nvfp4(const float* x, long rows, long k, float g,
 
 
 def _cuda_include_dir():
-    cands = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + sorted(
-        glob.glob("/usr/local/cuda-*"), reverse=True
-    )
+    cands = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
     for c in cands:
         if c and os.path.exists(os.path.join(c, "include", "cuda_fp4.h")):
             return os.path.join(c, "include")
@@ -219,14 +217,19 @@ def c_oracle(tmp_path_factory):
     d = tmp_path_factory.mktemp("fp4oracle")
     src, lib = d / "oracle.cpp", d / "oracle.so"
     src.write_text(C_ORACLE)
-    cmd = [cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{inc}", str(src), "-o",
-           str(lib)]
+    cmd = [cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{inc}", str(src), "-o", str(lib)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         pytest.skip(f"could not build the CUDA-header oracle: {res.stderr[-300:]}")
     so = ctypes.CDLL(str(lib))
-    so.te_nvfp4.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
-                            ctypes.c_void_p, ctypes.c_void_p]
+    so.te_nvfp4.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
 
     def run(x: torch.Tensor, global_amax=None):
         xf = x.float().reshape(-1, x.shape[-1]).contiguous()
@@ -252,7 +255,7 @@ def modelopt_nvfp4():
 def test_e2m1_table_and_packing():
     codes = torch.arange(16, dtype=torch.uint8)
     vals = e2m1_to_float(codes)
-    assert vals.tolist() == [0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]
+    assert vals.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
     assert torch.signbit(vals[8])  # code 8 is -0.0
     # element 2j in the low nibble
     assert pack_fp4(torch.tensor([[1, 2, 3, 15]], dtype=torch.uint8)).tolist() == [[0x21, 0xF3]]
@@ -265,8 +268,7 @@ def test_e2m1_table_and_packing():
 @pytest.mark.parametrize("recipe", ["te", "modelopt"])
 def test_e2m1_ties_and_edges(recipe):
     """With both scales powers of two, elements scale to exactly the E2M1 ties."""
-    row = [6.0, -6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75,
-           -2.5, -3.5, -5.0]
+    row = [6.0, -6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0]
     x = torch.tensor([row], dtype=torch.bfloat16) * 8  # block amax 48: block scale 8
     packed, scale, s2 = nvfp4_quantize(x, global_amax=2688.0, recipe=recipe)  # scale_2 = 1
     assert float(scale.float()[0, 0]) == 8.0 and float(s2) == 1.0
@@ -304,14 +306,12 @@ def test_modelopt_recipe_bit_exact(modelopt_nvfp4, case, shared):
     gamax = float(x.float().abs().max()) * (3.0 if shared else 1.0)
     ws2 = torch.tensor(gamax, dtype=torch.float32) / 2688.0 if shared else None
     qt, mscale, mws2 = modelopt_nvfp4.quantize(x.clone(), NVFP4_BLOCK, weights_scaling_factor_2=ws2)
-    packed, scale, s2 = nvfp4_quantize(x, global_amax=gamax if shared else None,
-                                       recipe="modelopt")
+    packed, scale, s2 = nvfp4_quantize(x, global_amax=gamax if shared else None, recipe="modelopt")
     assert torch.equal(packed, qt._quantized_data)
     assert torch.equal(_u8(scale), _u8(mscale))
     assert s2.dtype == torch.float32 and s2.dim() == 0
     assert _u8(s2.reshape(1)).tolist() == _u8(mws2.float().reshape(1)).tolist()
-    deq = qt.dequantize(dtype=torch.float32, scale=mscale, double_scale=mws2,
-                        block_sizes={-1: NVFP4_BLOCK})
+    deq = qt.dequantize(dtype=torch.float32, scale=mscale, double_scale=mws2, block_sizes={-1: NVFP4_BLOCK})
     assert torch.equal(nvfp4_dequantize(packed, scale, s2), deq)
 
 

@@ -104,7 +104,10 @@ def adversarial_1536(k: int, seed: int = 0) -> torch.Tensor:
     rows.append(top)
     for j in range(-12, 8):
         u = 2.0 ** (j + k)
-        pool = [t * u for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.0, 6.0, 2.0 / 3.0, 8.0 / 3.0, 4.5)] + [0.0, -0.0]
+        pool = [t * u for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.0, 6.0, 2.0 / 3.0, 8.0 / 3.0, 4.5)] + [
+            0.0,
+            -0.0,
+        ]
         for rep in range(3):
             idx = torch.randint(0, len(pool), (NVFP4_BLOCK,), generator=g)
             b = torch.tensor([pool[i] for i in idx], dtype=torch.float64)
@@ -132,14 +135,20 @@ def _check(x: torch.Tensor, global_amax=None):
     got_p = packed.view(torch.uint8).reshape(-1).numpy()
     got_s = scale.view(torch.uint8).reshape(-1).numpy()
     bad_s = np.flatnonzero(got_s != want_s)
-    assert bad_s.size == 0, f"{bad_s.size} block scales differ, first block {bad_s[0]}: {got_s[bad_s[0]]} != {want_s[bad_s[0]]}"
+    assert bad_s.size == 0, (
+        f"{bad_s.size} block scales differ, first block {bad_s[0]}: {got_s[bad_s[0]]} != {want_s[bad_s[0]]}"
+    )
     bad_p = np.flatnonzero(got_p != want_p)
     assert bad_p.size == 0, f"{bad_p.size} code bytes differ, first at {bad_p[0]}"
     assert np.float32(scale_2.item()).tobytes() == want_s2.tobytes()
     return pick4
 
 
-CASES = [("random", s) for s in (1, 2, 3)] + [("adv1536", k) for k in (-30, -4, 0, 9)] + [("adv2688", k) for k in (-3, 0, 5)]
+CASES = (
+    [("random", s) for s in (1, 2, 3)]
+    + [("adv1536", k) for k in (-30, -4, 0, 9)]
+    + [("adv2688", k) for k in (-3, 0, 5)]
+)
 
 
 def _input(kind, arg):
@@ -213,8 +222,14 @@ def test_4over6_convert_manifest_and_verify(demo_dense, tmp_path):
 
     for dialect in ("modelopt", "compressed-tensors"):
         dst = tmp_path / dialect
-        convert(str(demo_dense), dst, "nvfp4", ConvertOptions(scheme="nvfp4", recipe="4over6", dialect=dialect,
-                                                              plan=PlanOptions(scheme="nvfp4"), progress=False))
+        convert(
+            str(demo_dense),
+            dst,
+            "nvfp4",
+            ConvertOptions(
+                scheme="nvfp4", recipe="4over6", dialect=dialect, plan=PlanOptions(scheme="nvfp4"), progress=False
+            ),
+        )
         man = json.loads((dst / "qconvert.json").read_text())
         assert man["recipe"] == "4over6" and "1536" in man["global_scale"] and "4over6" in man["scale_rule"]
         r = verify(str(demo_dense), str(dst))

@@ -35,10 +35,24 @@ def nv(demo_moe, tmp_path_factory):
     root = tmp_path_factory.mktemp("nv")
     mo = root / "modelopt"
     ct = root / "ct"
-    convert(str(demo_moe), mo, "nvfp4", ConvertOptions(scheme="nvfp4", plan=PlanOptions(scheme="nvfp4", last_n_bf16=1),
-                                                        progress=False))
-    convert(str(demo_moe), ct, "nvfp4", ConvertOptions(scheme="nvfp4", dialect="compressed-tensors", input_mode="unit",
-                                                        plan=PlanOptions(scheme="nvfp4", last_n_bf16=1), progress=False))
+    convert(
+        str(demo_moe),
+        mo,
+        "nvfp4",
+        ConvertOptions(scheme="nvfp4", plan=PlanOptions(scheme="nvfp4", last_n_bf16=1), progress=False),
+    )
+    convert(
+        str(demo_moe),
+        ct,
+        "nvfp4",
+        ConvertOptions(
+            scheme="nvfp4",
+            dialect="compressed-tensors",
+            input_mode="unit",
+            plan=PlanOptions(scheme="nvfp4", last_n_bf16=1),
+            progress=False,
+        ),
+    )
     return demo_moe, mo, ct
 
 
@@ -92,7 +106,8 @@ def test_compressed_tensors_decompressor_matches_modelopt_dialect(nv):
     for k in [k for k in c_t if k.endswith(".weight_packed")]:
         mod = k[: -len(".weight_packed")]
         assert torch.equal(c_t[k], m_t[f"{mod}.weight"]) and torch.equal(
-            c_t[f"{mod}.weight_scale"].view(torch.uint8), m_t[f"{mod}.weight_scale"].view(torch.uint8))
+            c_t[f"{mod}.weight_scale"].view(torch.uint8), m_t[f"{mod}.weight_scale"].view(torch.uint8)
+        )
         gs = c_t[f"{mod}.weight_global_scale"]
         assert gs.shape == (1,) and gs.dtype == torch.float32
         torch.testing.assert_close(gs, 1.0 / m_t[f"{mod}.weight_scale_2"].reshape(1), rtol=1e-6, atol=0)
@@ -101,14 +116,15 @@ def test_compressed_tensors_decompressor_matches_modelopt_dialect(nv):
         # compressed-tensors' decode in fp32 (its unpacker and dequantize, as its decompressor runs them)
         packed = c_t[k]
         codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-        out = dequantize(x_q=codes, scale=c_t[f"{mod}.weight_scale"].float(), global_scale=gs,
-                         dtype=torch.float32).to(torch.float64)
+        out = dequantize(x_q=codes, scale=c_t[f"{mod}.weight_scale"].float(), global_scale=gs, dtype=torch.float32).to(
+            torch.float64
+        )
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
         # and its decompressor proper (BF16 output) agrees to BF16 rounding
         dec = NVFP4PackedCompressor.decompress(
-            {"weight_packed": packed, "weight_scale": c_t[f"{mod}.weight_scale"], "weight_global_scale": gs},
-            scheme)["weight"]
-        torch.testing.assert_close(dec.to(torch.float64), ref, rtol=2 ** -7, atol=0)
+            {"weight_packed": packed, "weight_scale": c_t[f"{mod}.weight_scale"], "weight_global_scale": gs}, scheme
+        )["weight"]
+        torch.testing.assert_close(dec.to(torch.float64), ref, rtol=2**-7, atol=0)
         checked += 1
     assert checked == 84
     assert any(e.startswith("re:^model\\.layers\\.3\\.") for e in qc["ignore"])
@@ -131,8 +147,11 @@ def test_vllm_parsers_agree_with_plan(nv):
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     for i in range(4):
         quantized = i < 3
-        for prefix in (f"model.layers.{i}.self_attn.qkv_proj", f"model.layers.{i}.self_attn.o_proj",
-                       f"model.layers.{i}.mlp.experts"):
+        for prefix in (
+            f"model.layers.{i}.self_attn.qkv_proj",
+            f"model.layers.{i}.self_attn.o_proj",
+            f"model.layers.{i}.mlp.experts",
+        ):
             assert vm.is_layer_excluded(prefix) == (not quantized), prefix
             assert should_ignore_layer(prefix, ignore=vc.ignore, fused_mapping=fused) == (not quantized), prefix
         assert vm.is_layer_excluded(f"model.layers.{i}.mlp.gate")
@@ -152,13 +171,27 @@ def test_cli_unit_copied_and_mismatch(demo_moe, tmp_path):
 
     # calibrated scales are copied module by module, in the target dialect's convention
     from safetensors.torch import load_file, save_file
-    shard = next(f for f in sorted(unit.glob("*.safetensors")) if "model.layers.0.self_attn.q_proj.input_scale" in load_file(f))
+
+    shard = next(
+        f for f in sorted(unit.glob("*.safetensors")) if "model.layers.0.self_attn.q_proj.input_scale" in load_file(f)
+    )
     t = load_file(shard)
     t["model.layers.0.self_attn.q_proj.input_scale"] = torch.tensor(0.125)
     save_file(t, shard)
     copied = tmp_path / "copied"
-    res = r.invoke(main, ["nvfp4", str(demo_moe), str(copied), "--dialect", "compressed-tensors",
-                          "--input-scales-from", str(unit), "--no-progress"])
+    res = r.invoke(
+        main,
+        [
+            "nvfp4",
+            str(demo_moe),
+            str(copied),
+            "--dialect",
+            "compressed-tensors",
+            "--input-scales-from",
+            str(unit),
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     c_t, _ = load_dir(copied)
     assert c_t["model.layers.0.self_attn.q_proj.input_global_scale"].item() == 8.0
@@ -166,7 +199,12 @@ def test_cli_unit_copied_and_mismatch(demo_moe, tmp_path):
 
     # a source of another shape of plan is refused, naming the module, and nothing is written
     eo = tmp_path / "eo"
-    assert r.invoke(main, ["nvfp4", str(demo_moe), str(eo), "--experts-only", "--input-scale", "unit", "--no-progress"]).exit_code == 0
+    assert (
+        r.invoke(
+            main, ["nvfp4", str(demo_moe), str(eo), "--experts-only", "--input-scale", "unit", "--no-progress"]
+        ).exit_code
+        == 0
+    )
     bad = tmp_path / "bad"
     res = r.invoke(main, ["nvfp4", str(demo_moe), str(bad), "--input-scales-from", str(eo), "--no-progress"])
     assert res.exit_code == 1 and "self_attn" in res.output and "input scale" in res.output
@@ -182,8 +220,12 @@ def test_cli_unit_copied_and_mismatch(demo_moe, tmp_path):
 def test_recipes_differ_only_slightly(demo_dense, tmp_path):
     a, b = tmp_path / "te", tmp_path / "mo"
     for d, recipe in ((a, "te"), (b, "modelopt")):
-        convert(str(demo_dense), d, "nvfp4", ConvertOptions(scheme="nvfp4", recipe=recipe,
-                                                            plan=PlanOptions(scheme="nvfp4"), progress=False))
+        convert(
+            str(demo_dense),
+            d,
+            "nvfp4",
+            ConvertOptions(scheme="nvfp4", recipe=recipe, plan=PlanOptions(scheme="nvfp4"), progress=False),
+        )
     ta, _ = load_dir(a)
     tb, _ = load_dir(b)
     diff = total = 0

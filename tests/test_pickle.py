@@ -45,6 +45,7 @@ def test_allow_pickle_still_refuses_code(tmp_path):
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
+
     (src / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Evil()}))
     res = CliRunner().invoke(main, ["mxfp8", str(src), str(tmp_path / "out"), "--no-progress", "--allow-pickle"])
     assert res.exit_code == 1 and "weights_only=True" in res.output

@@ -75,8 +75,10 @@ def test_vllm_exclusions_match_plan(model, opts, demo_moe, demo_dense):
         qcfg, extra = mxfp8_quant_config(plan.exclusions, dialect)
         parsed = json.loads(json.dumps(extra.get("hf_quant_config.json", qcfg)))
         vcfg = ModelOptMxFp8Config.from_config(parsed)
-        vcfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                       "gate_up_proj": ["gate_proj", "up_proj"]}
+        vcfg.packed_modules_mapping = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+        }
         for prefix, quantized in expected.items():
             assert vcfg.is_layer_excluded(prefix) == (not quantized), (dialect, prefix, quantized)
         # the substring transcription agrees with vLLM itself (so `verify` can use it)
@@ -133,12 +135,16 @@ def test_k_not_divisible_kept_and_listed():
 
 def test_partial_fused_group_is_kept_whole():
     inv = {f"model.layers.0.self_attn.{p}.weight": ("BF16", (64, 64)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    plan = build_plan(inv, {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 1},
-                      PlanOptions(keep_bf16=("*.k_proj",)))
+    plan = build_plan(
+        inv, {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 1}, PlanOptions(keep_bf16=("*.k_proj",))
+    )
     acts = {n.split(".")[-2]: t.action for n, t in plan.tensors.items()}
     assert acts == {"q_proj": "keep", "k_proj": "keep", "v_proj": "keep", "o_proj": "quantize"}
-    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
-            "model.layers.0.self_attn.v_proj"} <= set(plan.exclusions)
+    assert {
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    } <= set(plan.exclusions)
 
 
 def test_moe_layer_with_unquantizable_down_keeps_all_experts():

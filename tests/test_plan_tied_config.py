@@ -125,6 +125,7 @@ def test_keep_bf16_lm_head_on_tied_head_matches():
 
 # ---- config.json layer count against the weights ----------------------------------------------
 
+
 @pytest.mark.parametrize("n", [3, 5])
 @pytest.mark.parametrize("opts", [PlanOptions(last_n_bf16=1), PlanOptions(first_n_bf16=2), PlanOptions()])
 def test_layer_count_disagreeing_with_weights_is_refused(n, opts):
@@ -175,11 +176,22 @@ def test_last_n_without_layer_names_is_refused():
 # ---- wrongly typed config.json keys and FP8 tensors: one line through the CLI ----------------
 
 BAD_KEYS = [
-    ("hidden_size", "256"), ("hidden_size", None), ("hidden_size", [256]), ("hidden_size", True),
-    ("num_attention_heads", "4"), ("num_attention_heads", 0), ("num_key_value_heads", [2]),
-    ("head_dim", "64"), ("intermediate_size", 512.0), ("vocab_size", -1),
-    ("num_hidden_layers", "4"), ("num_hidden_layers", None), ("architectures", "Qwen3ForCausalLM"),
-    ("tie_word_embeddings", "yes"), ("text_config", "x"), ("num_nextn_predict_layers", "1"),
+    ("hidden_size", "256"),
+    ("hidden_size", None),
+    ("hidden_size", [256]),
+    ("hidden_size", True),
+    ("num_attention_heads", "4"),
+    ("num_attention_heads", 0),
+    ("num_key_value_heads", [2]),
+    ("head_dim", "64"),
+    ("intermediate_size", 512.0),
+    ("vocab_size", -1),
+    ("num_hidden_layers", "4"),
+    ("num_hidden_layers", None),
+    ("architectures", "Qwen3ForCausalLM"),
+    ("tie_word_embeddings", "yes"),
+    ("text_config", "x"),
+    ("num_nextn_predict_layers", "1"),
 ]
 
 
@@ -210,8 +222,16 @@ def test_null_head_dim_and_kv_heads_mean_the_default():
     build_plan(inv, cfg, PlanOptions())
 
 
-@pytest.mark.parametrize("name", ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight",
-                                  "model.layers.1.self_attn.q_norm.weight", "model.layers.0.mlp.up_proj.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ],
+)
 def test_fp8_tensor_in_bf16_checkpoint_is_refused(name):
     cfg = demo_config("qwen3")
     inv = inventory(cfg)
@@ -223,8 +243,13 @@ def test_fp8_tensor_in_bf16_checkpoint_is_refused(name):
 
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-c", "from qconvert.cli import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "from qconvert.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("case", ["fp8_norm", "fp8_lm_head", "hidden_str", "layers_off"])
@@ -250,8 +275,13 @@ def test_cli_one_line_error(case, tmp_path):
         assert r.returncode == 1, (case, r.returncode, r.stderr[-2000:])
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert ("model.norm.weight" if case == "fp8_norm" else "lm_head.weight" if case == "fp8_lm_head"
-                else str(src / "config.json")) in lines[0], lines[0]
+        assert (
+            "model.norm.weight"
+            if case == "fp8_norm"
+            else "lm_head.weight"
+            if case == "fp8_lm_head"
+            else str(src / "config.json")
+        ) in lines[0], lines[0]
         assert not (tmp_path / f"out-{scheme}").exists()
 
 
@@ -260,5 +290,6 @@ def test_demo_builds_tied_model(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["LlamaForCausalLM"]
     from qconvert.convert.checkpoint import load_checkpoint
+
     names = set(load_checkpoint(str(d)).tensors)
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names

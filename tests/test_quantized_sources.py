@@ -79,8 +79,12 @@ def make_fp8_source(bf16_dir, out_dir, pow2=(), keep_bf16=(), block=BLOCK, confi
         mutate(out)
     save_file(out, str(out_dir / "model.safetensors"))
     cfg = json.loads((bf16_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": list(config_block or block)}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(config_block or block),
+    }
     (out_dir / "config.json").write_text(json.dumps(cfg))
     return out_dir, out
 
@@ -94,15 +98,18 @@ def decode_mxfp8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def fp8_src(demo_dense, tmp_path_factory):
     have("vllm")
     root = tmp_path_factory.mktemp("fp8src")
-    return make_fp8_source(demo_dense, root / "src", pow2=("layers.0.", "layers.1.self_attn.q_proj"),
-                           keep_bf16=("layers.3.mlp",))
+    return make_fp8_source(
+        demo_dense, root / "src", pow2=("layers.0.", "layers.1.self_attn.q_proj"), keep_bf16=("layers.3.mlp",)
+    )
 
 
 def test_dequantize_equals_vllm(fp8_src):
     _, t = fp8_src
     g = torch.Generator().manual_seed(0)
-    cases = [(t[f"model.layers.{i}.mlp.down_proj.weight"], t[f"model.layers.{i}.mlp.down_proj.weight_scale_inv"])
-             for i in (0, 1)]
+    cases = [
+        (t[f"model.layers.{i}.mlp.down_proj.weight"], t[f"model.layers.{i}.mlp.down_proj.weight_scale_inv"])
+        for i in (0, 1)
+    ]
     # adversarial: every E4M3 byte pattern (NaN excepted), scales from 2^-126 to 2^120, odd mantissas, zero
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]
@@ -123,8 +130,12 @@ def test_pow2_blocks():
 def test_mxfp8_lossless_where_scales_are_powers_of_two(fp8_src, tmp_path):
     src, t = fp8_src
     dst = tmp_path / "mx"
-    res = convert(str(src), dst, "mxfp8", ConvertOptions(scheme="mxfp8", dialect="modelopt",
-                                                         plan=PlanOptions(scheme="mxfp8"), progress=False))
+    res = convert(
+        str(src),
+        dst,
+        "mxfp8",
+        ConvertOptions(scheme="mxfp8", dialect="modelopt", plan=PlanOptions(scheme="mxfp8"), progress=False),
+    )
     out, _ = load_dir(dst)
     man = json.loads((dst / "qconvert.json").read_text())
     assert man["source"]["quantized"]["kind"] == "fp8-block"
@@ -166,8 +177,11 @@ def test_nvfp4_from_the_decoded_source(fp8_src, tmp_path):
     dst = tmp_path / "nv"
     convert(str(src), dst, "nvfp4", ConvertOptions(scheme="nvfp4", plan=PlanOptions(scheme="nvfp4"), progress=False))
     out, _ = load_dir(dst)
-    deq = {n: vllm_block_dequantize(t[n], t[n[: -len("weight")] + "weight_scale_inv"])
-           for n in t if n.endswith(".weight") and (n[: -len("weight")] + "weight_scale_inv") in t}
+    deq = {
+        n: vllm_block_dequantize(t[n], t[n[: -len("weight")] + "weight_scale_inv"])
+        for n in t
+        if n.endswith(".weight") and (n[: -len("weight")] + "weight_scale_inv") in t
+    }
     for i in (0, 2):
         names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
         g = np.max([np.float32(deq[n].abs().max()) for n in names])  # the fused group's global amax
@@ -196,6 +210,7 @@ def test_bad_scale_shape(tmp_path, demo_dense):
     def cut(ts):
         n = "model.layers.1.mlp.up_proj.weight_scale_inv"
         ts[n] = ts[n][:, :1].contiguous()
+
     msg = _bad(tmp_path, demo_dense, mutate=cut)
     assert "model.layers.1.mlp.up_proj.weight_scale_inv" in msg and "[4, 1]" in msg
 
@@ -210,6 +225,7 @@ def test_block_size_other_than_declared(tmp_path, demo_dense):
 def test_non_finite_or_negative_scale(tmp_path, demo_dense, value, scheme):
     def poison(ts):
         ts["model.layers.2.self_attn.o_proj.weight_scale_inv"][1, 0] = value
+
     msg = _bad(tmp_path, demo_dense, scheme=scheme, mutate=poison)
     assert "model.layers.2.self_attn.o_proj.weight_scale_inv" in msg and "[1, 0]" in msg
 
@@ -217,6 +233,7 @@ def test_non_finite_or_negative_scale(tmp_path, demo_dense, value, scheme):
 def test_fp8_weight_without_scale(tmp_path, demo_dense):
     def drop(ts):
         del ts["model.layers.0.mlp.down_proj.weight_scale_inv"]
+
     msg = _bad(tmp_path, demo_dense, mutate=drop)
     assert "model.layers.0.mlp.down_proj.weight" in msg and "weight_scale_inv" in msg
 
@@ -227,8 +244,12 @@ def test_per_tensor_fp8_refused(tmp_path, demo_dense):
     del cfg["quantization_config"]["weight_block_size"]
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QConvertError, match="per-tensor FP8"):
-        convert(str(src), tmp_path / "o", "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"),
-                                                                  progress=False))
+        convert(
+            str(src),
+            tmp_path / "o",
+            "mxfp8",
+            ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False),
+        )
 
 
 @pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
@@ -237,15 +258,22 @@ def test_verify_decodes_the_fp8_source(fp8_src, tmp_path, scheme):
 
     src, t = fp8_src
     dst = tmp_path / scheme
-    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1),
-                                                  progress=False))
+    convert(
+        str(src),
+        dst,
+        scheme,
+        ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=1), progress=False),
+    )
     r = verify(str(src), str(dst))
     assert r.ok, r.failures
     r.checks.pop("format")
     assert all(v.startswith("ok") for v in r.checks.values()), r.checks
     assert r.tensors and all(x.exact for x in r.tensors)
-    pow2 = {n[: -len(".weight_scale_inv")] for n in t if n.endswith("weight_scale_inv")
-            and bool(fp8_block.pow2_blocks(t[n]).all())}
+    pow2 = {
+        n[: -len(".weight_scale_inv")]
+        for n in t
+        if n.endswith("weight_scale_inv") and bool(fp8_block.pow2_blocks(t[n]).all())
+    }
     got = {x.module: x.lossless for x in r.tensors}
     assert len(pow2) == 8 and all(got[m] is (scheme == "mxfp8") for m in pow2)
     assert all(v is False for m, v in got.items() if m not in pow2)  # layer 3 (last, BF16 layer) is kept
@@ -253,6 +281,7 @@ def test_verify_decodes_the_fp8_source(fp8_src, tmp_path, scheme):
         assert "8 of 21" in r.checks["lossless"]
         # a changed byte in a lossless tensor is caught
         from safetensors.torch import load_file, save_file
+
         f = dst / "model.safetensors"
         ts = load_file(f)
         w = ts["model.layers.0.mlp.up_proj.weight"].view(torch.uint8)
@@ -286,8 +315,19 @@ def test_moe_layout_from_fp8_source(demo_moe, tmp_path, scheme, extra):
     have("vllm") or pytest.skip("vllm not installed")
     src, _ = make_fp8_source(demo_moe, tmp_path / "src", pow2=("layers.0.",))
     dst = tmp_path / "dst"
-    convert(str(src), dst, scheme, ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False,
-                                                  layout="flashinfer-trtllm", engine="vllm", **extra))
+    convert(
+        str(src),
+        dst,
+        scheme,
+        ConvertOptions(
+            scheme=scheme,
+            plan=PlanOptions(scheme=scheme),
+            progress=False,
+            layout="flashinfer-trtllm",
+            engine="vllm",
+            **extra,
+        ),
+    )
     man = json.loads((dst / "qconvert.json").read_text())
     paths = man["source"]["quantized"]["tensor_paths"]
     e0 = "model.layers.0.mlp.experts.0.gate_proj"
@@ -307,6 +347,7 @@ def test_bad_fp8_source_in_a_fresh_process(demo_dense, tmp_path, scheme):
 
     def poison(ts):
         ts["model.layers.2.mlp.down_proj.weight_scale_inv"][0, 1] = -1.0
+
     src, _ = make_fp8_source(demo_dense, tmp_path / "src", mutate=poison)
     for i in range(3):  # the error is raised on a job thread: repeat the race at exit
         dst = tmp_path / f"out{i}"

@@ -39,8 +39,11 @@ def _stream(src: Path, layers=None):
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _assert_same(want: dict, got: dict):
@@ -95,9 +98,12 @@ def test_versions_alternate_slots_and_keep_the_previous_whole(demo_moe, demo_moe
         assert (view.directory / f.name).stat().st_size == f.size
         with safe_open(view.directory / f.name, "pt") as so:  # a standard safetensors file
             assert set(so.keys()) == set(f.tensors)
-    assert json.loads((shm / "policy" / "config.json").read_text()) == json.loads((tmp_path / "c1" / "config.json").read_text())
-    assert sorted(view.extra_files) == sorted(p.name for p in (shm / "policy").iterdir() if p.is_file()
-                                              and p.name not in (fs.AREA_JSON, fs.COMMIT_JSON))
+    assert json.loads((shm / "policy" / "config.json").read_text()) == json.loads(
+        (tmp_path / "c1" / "config.json").read_text()
+    )
+    assert sorted(view.extra_files) == sorted(
+        p.name for p in (shm / "policy").iterdir() if p.is_file() and p.name not in (fs.AREA_JSON, fs.COMMIT_JSON)
+    )
     # a new Refitter (a restarted trainer) continues the area
     with Refitter(demo_moe, opts, "policy") as r:
         d = r.refit(_stream(demo_moe_2)).area
@@ -116,8 +122,11 @@ def test_area_of_other_options_is_refused(demo_moe, shm):
 
 
 def _snapshot(area: Path) -> dict:
-    return {p.relative_to(area).as_posix(): p.read_bytes() for p in sorted(area.rglob("*")) if p.is_file()
-            and not p.name.startswith(".")}
+    return {
+        p.relative_to(area).as_posix(): p.read_bytes()
+        for p in sorted(area.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
 
 
 @pytest.mark.parametrize("bad", ["missing", "foreign", "dtype", "shape", "duplicate", "job-error"])
@@ -149,6 +158,7 @@ def test_bad_input_commits_nothing(demo_moe, demo_moe_2, shm, bad, monkeypatch):
 
             def boom(*a, **k):
                 raise RuntimeError("killed mid-refit")
+
             patch.setattr(jobs, "mxfp8_quantize", boom)
             words = "killed mid-refit"
         with pytest.raises((QConvertError, RuntimeError), match=words) as e:
@@ -174,8 +184,10 @@ def test_preshuffled_refit_equals_converter(demo_moe, shm, tmp_path, scheme, ext
     _assert_same(want, _tensors(view.directory))
     assert (view.tp, view.ep) == (tp, ep)
     assert view.contract == staging.checkpoint_contract(tmp_path / "c")  # layout contract included
-    assert json.loads((shm / "lay" / "qconvert.json").read_text())["layout"] == \
-        json.loads((tmp_path / "c" / "qconvert.json").read_text())["layout"]
+    assert (
+        json.loads((shm / "lay" / "qconvert.json").read_text())["layout"]
+        == json.loads((tmp_path / "c" / "qconvert.json").read_text())["layout"]
+    )
     for f in view.files:
         tags = {n.split(".experts.")[1].split(".")[0] for n in f.tensors if ".experts.trtllm" in n}
         if f.rank is None:
@@ -205,8 +217,10 @@ def _rank_main(demo, opts, rank, world, layers, out, barrier, **kw):
 def _run_ranks(demo, opts, plan, **kw):
     out: dict = {}
     barrier = threading.Barrier(len(plan))
-    threads = [threading.Thread(target=_rank_main, args=(demo, opts, r, len(plan), plan[r], out, barrier), kwargs=kw)
-               for r in range(len(plan))]
+    threads = [
+        threading.Thread(target=_rank_main, args=(demo, opts, r, len(plan), plan[r], out, barrier), kwargs=kw)
+        for r in range(len(plan))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -239,7 +253,9 @@ def test_sharded_trainer_refusals(demo_moe, shm, case):
     if case == "silent-rank":
         with Refitter(demo_moe, opts, "shard", rank=0, world_size=2, rendezvous_timeout_s=0.5) as r:
             r.stage(_stream(demo_moe))
-            with pytest.raises(RefitError, match="trainer rank 1 never reported version 2 within 0.5 s; nothing committed"):
+            with pytest.raises(
+                RefitError, match="trainer rank 1 never reported version 2 within 0.5 s; nothing committed"
+            ):
                 r.commit()
     else:
         plan = [set(keys), {keys[2]}] if case == "two-ranks-one-layer" else [set(keys[1:]), set()]
@@ -290,8 +306,11 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         r.stage([])
 
 
-@pytest.mark.parametrize("scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})],
-                         ids=["mxfp8", "nvfp4", "mxfp8-trtllm-tp2"])
+@pytest.mark.parametrize(
+    "scheme,extra",
+    [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})],
+    ids=["mxfp8", "nvfp4", "mxfp8-trtllm-tp2"],
+)
 def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
     """The CUDA path's batched NaN/Inf check and coalesced copies, run on CPU: same bytes, and
     the same refusal as the converter's jobs (naming the tensor); huge finite values pass."""
@@ -318,15 +337,18 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, sch
             poisoned.append((n, t))
         with pytest.raises(QConvertError) as e:
             r.refit(poisoned)
-        assert str(e.value) == (f"tensor {name!r} contains NaN or Inf; fix the source weights or pass "
-                                "--allow-non-finite")
+        assert str(e.value) == (
+            f"tensor {name!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite"
+        )
         assert fs.read_area(shm / "b").version == 1
         ok = [(n, t) for n, t in poisoned if n != name] + [(name, dict(items)[name])]
         assert r.refit(ok).area.version == 2  # finite values whose L1 norm overflows are not refused
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})])
+@pytest.mark.parametrize(
+    "scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})]
+)
 def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, scheme, extra):
     opts = _opts(scheme=scheme, **extra)
     want = _convert(demo_moe_2, tmp_path / "c", opts)
@@ -354,8 +376,7 @@ def test_engine_side_loader_reads_what_the_refitter_wrote(demo_moe, demo_moe_2, 
             with pytest.raises(fs.StagingError, match="slot 1"):  # the refitter cannot take it meanwhile
                 fs.SlotLock(shm / "eng", 1, shared=False, wait_s=0.05)
 
-        stats = vllm_staged.load_staged(torch.nn.Module(), shm / "eng", reload_weights, verify=True,
-                                        ranks=(1, 0, 1, 0))
+        stats = vllm_staged.load_staged(torch.nn.Module(), shm / "eng", reload_weights, verify=True, ranks=(1, 0, 1, 0))
         assert stats["version"] == 2 and stats["slot"] == 1 and stats["verified"]
         _assert_same(want, got)
 
@@ -369,14 +390,20 @@ def test_device_encode_global_scale_is_numpy_fp32_division(recipe):
     from qconvert.convert.numerics.nvfp4 import encode_global_scale_tensor, global_div
 
     rng = np.random.default_rng(0)
-    gs = np.concatenate([np.array([0.0, 1e-45, 1e-40, 1.17e-38, 1e-30, 1e-6, 1.0, 3.0e38, np.inf, np.nan],
-                                  dtype=np.float32),
-                         np.abs(rng.standard_normal(2000).astype(np.float32)) * np.float32(10.0) **
-                         rng.integers(-30, 30, 2000).astype(np.float32)])
+    gs = np.concatenate(
+        [
+            np.array([0.0, 1e-45, 1e-40, 1.17e-38, 1e-30, 1e-6, 1.0, 3.0e38, np.inf, np.nan], dtype=np.float32),
+            np.abs(rng.standard_normal(2000).astype(np.float32))
+            * np.float32(10.0) ** rng.integers(-30, 30, 2000).astype(np.float32),
+        ]
+    )
     for g in gs:
         with np.errstate(all="ignore"):
-            want = min(np.float32(global_div(recipe)) / np.float32(g), np.finfo(np.float32).max) if g > 0 \
+            want = (
+                min(np.float32(global_div(recipe)) / np.float32(g), np.finfo(np.float32).max)
+                if g > 0
                 else np.float32(1.0)
+            )
         got = encode_global_scale_tensor(torch.tensor(g), recipe)
         assert got.dtype == torch.float32 and got.shape == (1,)
         assert np.float32(want).tobytes() == got.numpy().tobytes(), (g, want, got)
@@ -393,7 +420,7 @@ def test_stacked_mxfp8_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monk
     items = list(_stream(demo_moe))
     bad = next(n for n, _ in items if ".layers.1.mlp.experts.5.down_proj" in n)
     poisoned = [(n, t.clone().index_fill_(0, torch.tensor([0]), float("nan")) if n == bad else t) for n, t in items]
-    want = (f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite")
+    want = f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite"
     opts = _opts(scheme="mxfp8", layout=layout)
     with Refitter(demo_moe, opts, "s") as r:
         assert not r._check_group
@@ -410,8 +437,15 @@ def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
 
     monkeypatch.setattr(staging, "PART_BYTES", 4096)
     tensors = [(f"w{i}", "BF16", (8, 64)) for i in range(10)]  # 1024 bytes each
-    tensors += [("big", "U8", (9000,)), ("odd", "U8", (300,)), ("odd2", "BF16", (150,)), ("s1", "F32", ()),
-                ("s2", "F32", (2,)), ("b1", "BF16", (3,)), ("u", "U8", (5,))]
+    tensors += [
+        ("big", "U8", (9000,)),
+        ("odd", "U8", (300,)),
+        ("odd2", "BF16", (150,)),
+        ("s1", "F32", ()),
+        ("s2", "F32", (2,)),
+        ("b1", "BF16", (3,)),
+        ("u", "U8", (5,)),
+    ]
     packed = staging.pack_v2(7, (1, 0), tensors)
     names = [n for f, _ in packed for n in f.tensors]
     assert sorted(names) == sorted(n for n, *_ in tensors)
@@ -425,13 +459,14 @@ def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
         if len(f.tensors) > 1:
             assert sum(t.nbytes for t in f.tensors.values() if t.nbytes >= 256) <= 4096
         n = struct.unpack("<Q", head[:8])[0]
-        hdr = json.loads(head[8:8 + n])
+        hdr = json.loads(head[8 : 8 + n])
         for name, t in f.tensors.items():
             assert hdr[name]["data_offsets"][0] + len(head) == t.offset and hdr[name]["dtype"] == t.dtype
         (tmp_path / f.name).write_bytes(head + bytes(f.size - len(head)))
         with safe_open(tmp_path / f.name, "pt") as so:
-            assert {k: list(so.get_slice(k).get_shape()) for k in so.keys()} == \
-                {k: list(t.shape) for k, t in f.tensors.items()}
+            assert {k: list(so.get_slice(k).get_shape()) for k in so.keys()} == {
+                k: list(t.shape) for k, t in f.tensors.items()
+            }
     by_name = {n: f for f, _ in packed for n in f.tensors}
     assert len(by_name["odd"].tensors) == 1 and len(by_name["odd2"].tensors) == 1
     assert by_name["s1"] is by_name["u"] is by_name["w9"]  # the small ones close the last aligned file

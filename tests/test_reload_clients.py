@@ -152,14 +152,21 @@ def test_retries_503_then_succeeds():
         srv.close()
 
 
-@pytest.mark.parametrize("body,expect", [
-    ({"error": {"message": "Call to collective_rpc method failed: boom", "code": 500}},
-     "Call to collective_rpc method failed: boom"),
-    ({"error": "Failed to pause generation: x"}, "Failed to pause generation: x"),
-    ({"detail": "Missing 'method' in request body"}, "Missing 'method' in request body"),
-    ({"success": False, "message": "Weights were updated, but the cache was not flushed"},
-     "Weights were updated, but the cache was not flushed"),
-])
+@pytest.mark.parametrize(
+    "body,expect",
+    [
+        (
+            {"error": {"message": "Call to collective_rpc method failed: boom", "code": 500}},
+            "Call to collective_rpc method failed: boom",
+        ),
+        ({"error": "Failed to pause generation: x"}, "Failed to pause generation: x"),
+        ({"detail": "Missing 'method' in request body"}, "Missing 'method' in request body"),
+        (
+            {"success": False, "message": "Weights were updated, but the cache was not flushed"},
+            "Weights were updated, but the cache was not flushed",
+        ),
+    ],
+)
 def test_server_message_verbatim(body, expect):
     srv = FakeServer({("POST", "/x"): lambda b, q, h: (500, body)})
     try:
@@ -230,8 +237,10 @@ def test_vllm_failed_reload_message_rollback_and_resume(ckpt, tmp_path):
     (launch / "config.json").write_text((ckpt / "config.json").read_text())
     (launch / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
     state = {"root": str(launch)}
-    msg = ("Call to collective_rpc method failed: Worker failed with error 'Error while deserializing header: "
-           "MetadataIncompleteBuffer', please check the stack trace above for the root cause")
+    msg = (
+        "Call to collective_rpc method failed: Worker failed with error 'Error while deserializing header: "
+        "MetadataIncompleteBuffer', please check the stack trace above for the root cause"
+    )
 
     def fail_new(body):
         if body["kwargs"]["weights_path"] == str(ckpt.resolve()):
@@ -323,9 +332,13 @@ def test_vllm_moe_on_cpu_needs_extension(ckpt):
 
     def rpc(body, q, h):
         if body["method"].startswith("qconvert_"):
-            return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
-                                                f"'Method {body['method']!r} is not implemented.', please check the "
-                                                "stack trace above for the root cause"}}
+            return 500, {
+                "error": {
+                    "message": "Call to collective_rpc method failed: Worker failed with error "
+                    f"'Method {body['method']!r} is not implemented.', please check the "
+                    "stack trace above for the root cause"
+                }
+            }
         return orig(body, q, h)
 
     routes[("POST", "/collective_rpc")] = rpc
@@ -381,8 +394,13 @@ def test_extension_flag_names_an_importable_worker_extension():
     assert EXTENSION_FLAG == "--worker-extension-cls qconvert.engine.vllm_worker.WorkerExtension"
     module, _, name = WORKER_EXTENSION.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    for method in ("qconvert_ping", "qconvert_clear_failed_reload", "qconvert_repack_cpu_moe", PRESHUFFLED_RPC,
-                   STAGED_RPC):
+    for method in (
+        "qconvert_ping",
+        "qconvert_clear_failed_reload",
+        "qconvert_repack_cpu_moe",
+        PRESHUFFLED_RPC,
+        STAGED_RPC,
+    ):
         assert callable(getattr(cls, method)), method
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert EXTENSION_FLAG in " ".join(readme.split())

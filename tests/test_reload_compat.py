@@ -17,16 +17,35 @@ from qconvert.errors import QConvertError
 
 
 def _mx(src, dst, dialect="auto", last_n_bf16=0):
-    convert(str(src), dst, "mxfp8", ConvertOptions(
-        scheme="mxfp8", dialect=dialect, plan=PlanOptions(scheme="mxfp8", last_n_bf16=last_n_bf16),
-        progress=False, fsync=False))
+    convert(
+        str(src),
+        dst,
+        "mxfp8",
+        ConvertOptions(
+            scheme="mxfp8",
+            dialect=dialect,
+            plan=PlanOptions(scheme="mxfp8", last_n_bf16=last_n_bf16),
+            progress=False,
+            fsync=False,
+        ),
+    )
     return dst
 
 
 def _nv(src, dst, dialect="modelopt", input_mode="weight-only"):
-    convert(str(src), dst, "nvfp4", ConvertOptions(
-        scheme="nvfp4", dialect=dialect, input_mode=input_mode, plan=PlanOptions(scheme="nvfp4"),
-        progress=False, fsync=False))
+    convert(
+        str(src),
+        dst,
+        "nvfp4",
+        ConvertOptions(
+            scheme="nvfp4",
+            dialect=dialect,
+            input_mode=input_mode,
+            plan=PlanOptions(scheme="nvfp4"),
+            progress=False,
+            fsync=False,
+        ),
+    )
     return dst
 
 
@@ -125,8 +144,7 @@ def test_tensor_set_shape_dtype_differ(ck, tmp_path):
         if name in sd:
             return {**sd, name: sd[name].view(torch.int8)}
 
-    cases = [(drop, "missing from the new"), (extra, "not in the served"),
-             (reshape, "U8"), (retype, "I8")]
+    cases = [(drop, "missing from the new"), (extra, "not in the served"), (reshape, "U8"), (retype, "I8")]
     for fn, needle in cases:
         new = tmp_path / fn.__name__
         shutil.copytree(ck["mx_b"], new)

@@ -57,8 +57,12 @@ def test_refit_bytes_equal_converter(arch, scheme, extra, plan, demo_moe, demo_d
         convert(str(src), dst, scheme, opts)
     except QConvertError as e:  # a scheme/dialect the converter does not offer in this tree
         pytest.skip(f"converter: {e}")
-    res = stage_refit(_trainer_stream(src), reference=src, stage_name="r",
-                      options=ConvertOptions(scheme=scheme, plan=plan, progress=False, **extra))
+    res = stage_refit(
+        _trainer_stream(src),
+        reference=src,
+        stage_name="r",
+        options=ConvertOptions(scheme=scheme, plan=plan, progress=False, **extra),
+    )
     want, got = _tensors(dst), _tensors(res.area.path)
     assert want.keys() == got.keys()
     for k in want:
@@ -88,8 +92,10 @@ def test_refit_layer_complete_before_staging(demo_dense, tmp_path, monkeypatch):
     res = stage_refit(_trainer_stream(demo_dense), reference=demo_dense, stage_name="r")
     assert all(complete for _, complete in seen)
     layers = [s.pop() for s, _ in seen if s != {None}]
-    assert layers == sorted(set(layers)) and len(layers) == json.loads(
-        (demo_dense / "config.json").read_text())["num_hidden_layers"]
+    assert (
+        layers == sorted(set(layers))
+        and len(layers) == json.loads((demo_dense / "config.json").read_text())["num_hidden_layers"]
+    )
     assert res.tensors_in == len(_tensors(demo_dense))
 
 
@@ -112,7 +118,8 @@ def test_refit_cuda_equals_cpu(demo_moe, tmp_path, monkeypatch):
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
     a = stage_refit(_trainer_stream(demo_moe), reference=demo_moe, stage_name="cpu")
     cuda_stream = ((n, t.cuda()) for n, t in _trainer_stream(demo_moe))
-    b = stage_refit(cuda_stream, reference=demo_moe, stage_name="cuda",
-                    options=ConvertOptions(device="cuda", progress=False))
+    b = stage_refit(
+        cuda_stream, reference=demo_moe, stage_name="cuda", options=ConvertOptions(device="cuda", progress=False)
+    )
     ta, tb = _tensors(a.area.path), _tensors(b.area.path)
     assert all(torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)) for k in ta)

@@ -56,8 +56,7 @@ def mxfp8_moe(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("staged")
     src = build_demo_model(root / "bf16", arch="qwen3-moe", seed=0)
-    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8", last_n_bf16=1), fsync=False,
-                          progress=False)
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8", last_n_bf16=1), fsync=False, progress=False)
     return convert(str(src), root / "mxfp8", "mxfp8", opts) and root / "mxfp8"
 
 
@@ -173,8 +172,23 @@ def preshuffled_tp2(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp2")
     src = build_demo_model(root / "bf16", arch="qwen3-moe", seed=0)
-    res = CliRunner().invoke(main, ["bf16", str(src), str(root / "lay"), "--no-progress", "--layout",
-                                    "flashinfer-trtllm", "--engine", "vllm", "--tp", "2", "--ep", "1"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bf16",
+            str(src),
+            str(root / "lay"),
+            "--no-progress",
+            "--layout",
+            "flashinfer-trtllm",
+            "--engine",
+            "vllm",
+            "--tp",
+            "2",
+            "--ep",
+            "1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return root / "lay"
 
@@ -212,8 +226,9 @@ def test_each_rank_reads_only_its_files(preshuffled_tp2, shm_root):
     assert vllm_staged.select_files(plain, 4, 3, 1, 0) == list(plain.files)
     # the manifest records the rank of each file
     man = json.loads((area / fmt.MANIFEST_V1).read_text())
-    assert {tuple(f["rank"]) if f.get("rank") else None for n, f in man["files"].items()
-            if n.endswith(".safetensors")} == {None, (0, 0), (1, 0)}
+    assert {
+        tuple(f["rank"]) if f.get("rank") else None for n, f in man["files"].items() if n.endswith(".safetensors")
+    } == {None, (0, 0), (1, 0)}
 
 
 def _fake_vllm(extension: bool, calls: list):
@@ -228,12 +243,17 @@ def _fake_vllm(extension: bool, calls: list):
         calls.append(body["method"])
         if body["method"].startswith("qconvert_"):
             if not extension:
-                return 500, {"error": {"message": "Call to collective_rpc method failed: Worker failed with error "
-                                                    f"'Method {body['method']!r} is not implemented.'"}}
+                return 500, {
+                    "error": {
+                        "message": "Call to collective_rpc method failed: Worker failed with error "
+                        f"'Method {body['method']!r} is not implemented.'"
+                    }
+                }
             if body["method"] == "qconvert_ping":
                 return 200, {"results": ["qconvert-test"]}
-            return 200, {"results": [{"files": 3, "area": body["kwargs"].get("area"),
-                                      "verify": body["kwargs"].get("verify")}]}
+            return 200, {
+                "results": [{"files": 3, "area": body["kwargs"].get("area"), "verify": body["kwargs"].get("verify")}]
+            }
         return orig(body, q, h)
 
     routes[("POST", "/collective_rpc")] = rpc
@@ -332,7 +352,8 @@ def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
         res = reload_vllm([srv.url], "shm:b", weight_version="B-staged")
         (stats,) = res[0].load  # one worker
         assert stats["format"] == fmt.FORMAT_V1 and stats["bytes"] == area_b.nbytes - sum(
-            f["size"] for n, f in area_b.manifest["files"].items() if not n.endswith(".safetensors"))
+            f["size"] for n, f in area_b.manifest["files"].items() if not n.endswith(".safetensors")
+        )
         assert stats["files"] == stats["files_in_area"] and stats["mappings_released"] is True
         staged_b = srv.greedy()
         assert staged_b != original

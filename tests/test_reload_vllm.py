@@ -45,8 +45,9 @@ def _convert(src: Path, dst: Path, last_n_bf16: int = 1, fmt: str = "mxfp8") -> 
     from qconvert.convert.plan import PlanOptions
 
     scheme = fmt.split("-")[0]
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16),
-                          fsync=False, progress=False)
+    opts = ConvertOptions(
+        scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16), fsync=False, progress=False
+    )
     if fmt == "mxfp8-modelopt":
         opts.dialect = "modelopt"
     if fmt == "nvfp4-w4a4":
@@ -65,15 +66,35 @@ def _make_pair(root: Path, kind: str) -> tuple[Path, Path, Path]:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, env_extra: dict | None = None, dev_mode: bool = True,
-                 extension: bool = True):
+    def __init__(
+        self, model: Path, log: Path, env_extra: dict | None = None, dev_mode: bool = True, extension: bool = True
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1" if dev_mode else "0",
-                   **(env_extra or {}))
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "256",
-               "--max-num-seqs", "8", "--dtype", "bfloat16", "--enable-scale-out", "--seed", "0"]
+        env = dict(
+            os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1" if dev_mode else "0", **(env_extra or {})
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--dtype",
+            "bfloat16",
+            "--enable-scale-out",
+            "--seed",
+            "0",
+        ]
         if extension:
             cmd += EXTENSION_FLAG.split()
         self.log = log
@@ -108,9 +129,17 @@ class Server:
     def greedy(self) -> list[str]:
         out = []
         for p in PROMPTS:
-            r = requests.post(self.url + "/v1/completions", json={
-                "model": self.model(), "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                "ignore_eos": True}, timeout=120)
+            r = requests.post(
+                self.url + "/v1/completions",
+                json={
+                    "model": self.model(),
+                    "prompt": p,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+                timeout=120,
+            )
             assert r.status_code == 200, r.text
             out.append(r.json()["choices"][0]["text"])
         return out
@@ -118,8 +147,16 @@ class Server:
 
 # Every format the vLLM CPU build executes with qconvert's plugin; the heavier checks below run on a
 # subset, the reload round trip on all of them.
-KINDS = ["qwen3:bf16", "qwen3-moe:bf16", "qwen3:mxfp8", "qwen3-moe:mxfp8", "qwen3:mxfp8-modelopt",
-         "qwen3:nvfp4", "qwen3-moe:nvfp4", "qwen3:nvfp4-w4a4"]
+KINDS = [
+    "qwen3:bf16",
+    "qwen3-moe:bf16",
+    "qwen3:mxfp8",
+    "qwen3-moe:mxfp8",
+    "qwen3:mxfp8-modelopt",
+    "qwen3:nvfp4",
+    "qwen3-moe:nvfp4",
+    "qwen3:nvfp4-w4a4",
+]
 
 
 def _kind_id(kind: str) -> str:
@@ -142,8 +179,16 @@ def served(request, tmp_path_factory):
     start_s = time.perf_counter() - t0
     try:
         original = srv.greedy()
-        yield {"kind": kind, "a": a, "b": b, "b_src": b_src, "srv": srv, "original": original, "root": root,
-               "start_s": start_s}
+        yield {
+            "kind": kind,
+            "a": a,
+            "b": b,
+            "b_src": b_src,
+            "srv": srv,
+            "original": original,
+            "root": root,
+            "start_s": start_s,
+        }
     finally:
         srv.stop()
 
@@ -181,11 +226,15 @@ def test_reload_b_equals_fresh_server_on_b(served):
 
 
 def _generate(url: str, token_ids: list[int]) -> dict:
-    r = requests.post(url + "/inference/v1/generate", json={
-        "token_ids": token_ids, "sampling_params": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}},
-        timeout=300)
-    return {"status": r.status_code, "body": r.json() if r.headers.get("content-type", "").startswith(
-        "application/json") else r.text}
+    r = requests.post(
+        url + "/inference/v1/generate",
+        json={"token_ids": token_ids, "sampling_params": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}},
+        timeout=300,
+    )
+    return {
+        "status": r.status_code,
+        "body": r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text,
+    }
 
 
 @on_kinds("qwen3-moe:bf16")
@@ -269,9 +318,14 @@ def test_refit_live_weights_equal_converted_reload(served):
         for f in sorted(served["b_src"].glob("*.safetensors")):
             yield from load_file(f).items()
 
-    res = refit(stream(), reference=served["b_src"], urls=[srv.url], stage_name="policy",
-                options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
-                weight_version="B-refit")
+    res = refit(
+        stream(),
+        reference=served["b_src"],
+        urls=[srv.url],
+        stage_name="policy",
+        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
+        weight_version="B-refit",
+    )
     assert res.reload[0].ok
     assert srv.greedy() == want
     reload_vllm([srv.url], served["a"], weight_version="A-after-refit")

@@ -57,8 +57,18 @@ def reference(src, tmp_path_factory):
 
 
 def _cmd(src, dst, *extra):
-    return [sys.executable, "-m", "qconvert.cli", "mxfp8", str(src), str(dst), "--last-n-bf16", "1",
-            "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "qconvert.cli",
+        "mxfp8",
+        str(src),
+        str(dst),
+        "--last-n-bf16",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def cli(*args, env=None):
@@ -90,8 +100,12 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(src, reference, 
         seen = []
         kills = 0
         for attempt, target in enumerate(targets):
-            p = subprocess.Popen(_cmd(src, dst, *(["--resume"] if attempt else [])), env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            p = subprocess.Popen(
+                _cmd(src, dst, *(["--resume"] if attempt else [])),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             t0 = time.monotonic()
             # Wait until this run holds the lock and has journaled `target` shards.
             while p.poll() is None and time.monotonic() - t0 < 120:
@@ -144,6 +158,7 @@ def _interrupt_after(monkeypatch, n_closed: int):
             raise KeyboardInterrupt
         closed[0] += 1
         return real_close(self, fsync)
+
     monkeypatch.setattr(runner.HashingWriter, "close", close)
 
 
@@ -170,6 +185,7 @@ def test_resume_keeps_verified_shards_skips_their_input_and_redoes_corrupt_ones(
     def init(self, header, *a, **kw):
         opened.append(header.path.name)
         real_init(self, header, *a, **kw)
+
     monkeypatch.setattr(ShardReader, "__init__", init)
     code, out = cli("mxfp8", src, dst, "--last-n-bf16", "1", "--no-progress", "--resume", env=env)
     assert code == 0, out
@@ -217,8 +233,9 @@ def test_resume_with_different_options_or_source_is_refused(src, tmp_path, monke
 
 def test_resume_with_nothing_to_resume_starts_fresh(src, reference, tmp_path):
     dst = tmp_path / "out"
-    code, out = cli("mxfp8", src, dst, "--no-progress", "--last-n-bf16", "1", "--resume",
-                    env={"SOURCE_DATE_EPOCH": EPOCH})
+    code, out = cli(
+        "mxfp8", src, dst, "--no-progress", "--last-n-bf16", "1", "--resume", env={"SOURCE_DATE_EPOCH": EPOCH}
+    )
     assert code == 0 and "no interrupted conversion found" in out
     assert_same_tree(dst, reference)
 

@@ -26,24 +26,42 @@ from qconvert.client.vllm_client import ReloadError
 from qconvert.errors import QConvertError
 from tests.test_reload_clients import FakeServer
 
-STRUCTS = ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightFromDiskReqInput",
-           "UpdateWeightFromDiskReqOutput", "CheckWeightsReqInput")
+STRUCTS = (
+    "PauseGenerationReqInput",
+    "ContinueGenerationReqInput",
+    "UpdateWeightFromDiskReqInput",
+    "UpdateWeightFromDiskReqOutput",
+    "CheckWeightsReqInput",
+)
 
 # docs/reload.md#sglang-endpoints (SGLang 0.5.23): name -> (required?, python types accepted)
 DOCUMENTED = {
     "PauseGenerationReqInput": {"mode": (False, (str,))},
     "ContinueGenerationReqInput": {"torch_empty_cache": (False, (bool,))},
     "UpdateWeightFromDiskReqInput": {
-        "model_path": (True, (str,)), "load_format": (False, (str, type(None))),
-        "abort_all_requests": (False, (bool,)), "weight_version": (False, (str, type(None))),
-        "flush_cache": (False, (bool,)), "torch_empty_cache": (False, (bool,)),
-        "recapture_cuda_graph": (False, (bool,)), "is_async": (False, (bool,)), "keep_pause": (False, (bool,)),
-        "token_step": (False, (int,)), "manifest": (False, (dict, type(None))),
+        "model_path": (True, (str,)),
+        "load_format": (False, (str, type(None))),
+        "abort_all_requests": (False, (bool,)),
+        "weight_version": (False, (str, type(None))),
+        "flush_cache": (False, (bool,)),
+        "torch_empty_cache": (False, (bool,)),
+        "recapture_cuda_graph": (False, (bool,)),
+        "is_async": (False, (bool,)),
+        "keep_pause": (False, (bool,)),
+        "token_step": (False, (int,)),
+        "manifest": (False, (dict, type(None))),
     },
-    "UpdateWeightFromDiskReqOutput": {"success": (True, (bool,)), "message": (True, (str,)),
-                                      "num_paused_requests": (False, (int,))},
-    "CheckWeightsReqInput": {"action": (False, (str,)), "allow_quant_error": (False, (bool,)),
-                             "skip_tensor_list": (False, (list, type(None))), "selector": (False, (str,))},
+    "UpdateWeightFromDiskReqOutput": {
+        "success": (True, (bool,)),
+        "message": (True, (str,)),
+        "num_paused_requests": (False, (int,)),
+    },
+    "CheckWeightsReqInput": {
+        "action": (False, (str,)),
+        "allow_quant_error": (False, (bool,)),
+        "skip_tensor_list": (False, (list, type(None))),
+        "selector": (False, (str,)),
+    },
 }
 PAUSE_LITERALS = ("abort", "retract", "in_place")
 
@@ -153,8 +171,10 @@ def sglang_routes(state: dict, update_fn=None) -> dict:
         return 200, {"success": True, "message": "", "per_engine_checksum": {"target": "abc"}}
 
     return {
-        ("GET", "/model_info"): lambda b, q, h: (200, {"model_path": state["model_path"],
-                                                       "weight_version": state["weight_version"]}),
+        ("GET", "/model_info"): lambda b, q, h: (
+            200,
+            {"model_path": state["model_path"], "weight_version": state["weight_version"]},
+        ),
         ("POST", "/pause_generation"): pause,
         ("POST", "/continue_generation"): cont,
         ("POST", "/update_weights_from_disk"): update,
@@ -180,7 +200,10 @@ def test_sequence_fields_and_api_key(ckpt, mode, flush):
         res = reload_sglang([srv.url], ckpt, pause=mode, weight_version="step-3", api_key="admin-k")
         assert res[0].ok and state["paused"] is False and state["mode"] == mode
         assert [p for m, p, *_ in srv.calls if m == "POST"] == [
-            "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+            "/pause_generation",
+            "/update_weights_from_disk",
+            "/continue_generation",
+        ]
         upd = state["updates"][0]
         assert upd["model_path"] == str(ckpt.resolve()) and upd["weight_version"] == "step-3"
         assert upd["flush_cache"] is flush and upd["abort_all_requests"] is False
@@ -223,8 +246,11 @@ def test_cache_not_flushed_is_an_error_and_generation_continues(ckpt):
 def test_unreachable_server_retried_then_reported(ckpt):
     sleeps: list[float] = []
     with pytest.raises(ReloadError, match="connection failed"):
-        reload_sglang(["http://127.0.0.1:9"], ckpt,
-                      client_factory=lambda u: SglangClient(u, retries=2, backoff=0.1, sleep=sleeps.append))
+        reload_sglang(
+            ["http://127.0.0.1:9"],
+            ckpt,
+            client_factory=lambda u: SglangClient(u, retries=2, backoff=0.1, sleep=sleeps.append),
+        )
     assert sleeps == [0.1, 0.2]
 
 

@@ -58,6 +58,7 @@ def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_
         def update(self, buf):
             hashed.append(memoryview(buf).nbytes)
             super().update(buf)
+
     monkeypatch.setattr(runner, "BackgroundSha256", Counting)
     real_reader = runner.ShardReader
     reads = []
@@ -65,6 +66,7 @@ def test_no_checksums_hashes_nothing_and_writes_the_same_shards(demo_dense, tmp_
     def reader(h, hash_file=True, **kw):
         reads.append(hash_file)
         return real_reader(h, hash_file=hash_file, **kw)
+
     monkeypatch.setattr(runner, "ShardReader", reader)
     run("mxfp8", demo_dense, tmp_path / "b", "--no-checksums")
     assert hashed == [] and reads and not any(reads)  # not one byte hashed, in or out
@@ -96,6 +98,7 @@ def test_a_source_shard_that_cannot_be_hashed_is_named_and_nothing_is_written(de
         if Path(path).name == bad.name:
             raise OSError(5, "Input/output error")
         return real_sha256_file(path, **kw)
+
     monkeypatch.setattr(runner, "sha256_file", sha256_file)
     r = CliRunner().invoke(main, ["mxfp8", str(demo_moe), str(tmp_path / "out"), "--no-progress"])
     assert r.exit_code == 1, r.output
@@ -128,6 +131,7 @@ def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
+
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     hashed = []
@@ -144,6 +148,7 @@ def test_hub_cache_digest_comes_from_the_blob_name(demo_dense, tmp_path, monkeyp
     def sha256_file(path, **kw):
         files_hashed.append(path)
         return real_sha256_file(path, **kw)
+
     monkeypatch.setattr(runner, "sha256_file", sha256_file)
     run("mxfp8", "acme/tiny", tmp_path / "out")
     src = manifest(tmp_path / "out")["source"]
@@ -220,6 +225,7 @@ def test_local_dir_download_records_save_the_source_digests(demo_dense, tmp_path
     def sha256_file(path, **kw):
         files_hashed.append(Path(path).name)
         return real_sha256_file(path, **kw)
+
     monkeypatch.setattr(runner, "sha256_file", sha256_file)
     run("mxfp8", local, tmp_path / "a", "--no-progress")
     assert manifest(tmp_path / "a")["source"]["sha256"] == {p.name: sha(p) for p in shards}

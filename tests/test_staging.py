@@ -44,7 +44,7 @@ def test_stage_roundtrip_alignment_modes(demo_moe, shm_root):
     for f in area.path.glob("*.safetensors"):
         raw = f.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        hdr = json.loads(raw[8:8 + n])
+        hdr = json.loads(raw[8 : 8 + n])
         for name, spec in hdr.items():
             if name == "__metadata__":
                 continue

@@ -47,7 +47,7 @@ def tensor_location(ckpt: Path, name: str) -> tuple[Path, int, int]:
     for f in sorted(ckpt.glob("*.safetensors")):
         raw = f.read_bytes()[:8]
         (n,) = struct.unpack("<Q", raw)
-        hdr = json.loads(f.read_bytes()[8:8 + n])
+        hdr = json.loads(f.read_bytes()[8 : 8 + n])
         if name in hdr:
             a, b = hdr[name]["data_offsets"]
             return f, 8 + n + a, b - a
@@ -137,7 +137,7 @@ def test_verify_fails_on_swapped_tensor(demo, tmp_path):
     for sfx in ("weight", "weight_scale_inv"):
         fa, oa, na = tensor_location(dst, f"{a}.{sfx}")
         fb, ob, nb = tensor_location(dst, f"{b}.{sfx}")
-        da, db = fa.read_bytes()[oa:oa + na], fb.read_bytes()[ob:ob + nb]
+        da, db = fa.read_bytes()[oa : oa + na], fb.read_bytes()[ob : ob + nb]
         patch_bytes(fa, oa, db)
         patch_bytes(fb, ob, da)
     r = verify(str(demo["bf16"]), str(dst))
@@ -186,8 +186,9 @@ def test_verify_fails_on_exclusion_list_hiding_a_quantized_module(demo, tmp_path
     _edit_lists(dst, lambda lst: sorted(lst + ["model.layers.1.self_attn.o_proj"]))
     r = verify(str(demo["bf16"]), str(dst))
     assert not r.ok
-    assert any("'model.layers.1.self_attn.o_proj' is quantized but the exclusion list excludes it" in m
-               for m in r.failures)
+    assert any(
+        "'model.layers.1.self_attn.o_proj' is quantized but the exclusion list excludes it" in m for m in r.failures
+    )
 
 
 def test_verify_fails_when_list_copies_disagree(demo, tmp_path):
@@ -228,8 +229,11 @@ def test_verify_handbuilt_nvfp4(tmp_path, dialect):
         mod = "model.layers.0.mlp.down_proj"
         packed = f.get_tensor(f"{mod}.weight" if dialect == "modelopt" else f"{mod}.weight_packed")
         scale = f.get_tensor(f"{mod}.weight_scale")
-        s2 = (float(f.get_tensor(f"{mod}.weight_scale_2")) if dialect == "modelopt"
-              else 1 / float(f.get_tensor(f"{mod}.weight_global_scale")[0]))
+        s2 = (
+            float(f.get_tensor(f"{mod}.weight_scale_2"))
+            if dialect == "modelopt"
+            else 1 / float(f.get_tensor(f"{mod}.weight_global_scale")[0])
+        )
     lut = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(64, 128).to(torch.int64)
     mag = torch.tensor(lut, dtype=torch.float64)[codes & 7] * torch.where(codes >> 3 == 1, -1.0, 1.0).double()
@@ -274,6 +278,7 @@ def test_verify_engine_kl_bound(demo, monkeypatch):
 
     def fake(src, dst, engine, log):
         return {"available": True, "mean_kl": 0.3, "top1_agreement": 0.5, "positions": 40}
+
     monkeypatch.setattr(V, "engine_compare", fake)
     r = verify(str(demo["bf16"]), str(demo["auto"]), engine="vllm")
     assert not r.ok and r.checks["engine"] == "FAILED"
@@ -302,5 +307,8 @@ def test_check_in_engine_and_its_old_spelling(flag, note, monkeypatch, tmp_path)
     assert seen["engine"] == "vllm"
     assert json.loads(res.stdout) == {"ok": True}
     notes = [ln for ln in res.stderr.splitlines() if "deprecated" in ln]
-    assert notes == (["note: `qconvert verify --engine` is deprecated and goes in the next release; "
-                      "use --check-in-engine vllm"] if note else [])
+    assert notes == (
+        ["note: `qconvert verify --engine` is deprecated and goes in the next release; use --check-in-engine vllm"]
+        if note
+        else []
+    )

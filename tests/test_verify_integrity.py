@@ -34,8 +34,13 @@ from qconvert.inspect import inspect_checkpoint
 from qconvert.verify import format_report, verify
 
 H, INTER, VOCAB = 64, 128, 32
-DIALECTS = [("mxfp8", "auto"), ("mxfp8", "sglang"), ("mxfp8", "modelopt"), ("nvfp4", "modelopt"),
-            ("nvfp4", "compressed-tensors")]
+DIALECTS = [
+    ("mxfp8", "auto"),
+    ("mxfp8", "sglang"),
+    ("mxfp8", "modelopt"),
+    ("nvfp4", "modelopt"),
+    ("nvfp4", "compressed-tensors"),
+]
 
 
 def _r(g, *shape, sc=0.05):
@@ -45,8 +50,11 @@ def _r(g, *shape, sc=0.05):
 def tiny_qwen2(root: Path) -> Path:
     """Qwen2: q/k/v projections with biases, o_proj and the MLP without."""
     g = torch.Generator().manual_seed(0)
-    t = {"model.embed_tokens.weight": _r(g, VOCAB, H, sc=1), "model.norm.weight": torch.ones(H).bfloat16(),
-         "lm_head.weight": _r(g, VOCAB, H, sc=1)}
+    t = {
+        "model.embed_tokens.weight": _r(g, VOCAB, H, sc=1),
+        "model.norm.weight": torch.ones(H).bfloat16(),
+        "lm_head.weight": _r(g, VOCAB, H, sc=1),
+    }
     for i in range(2):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = torch.ones(H).bfloat16()
@@ -56,9 +64,17 @@ def tiny_qwen2(root: Path) -> Path:
         t[p + "self_attn.o_proj.weight"] = _r(g, H, H)
         t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = _r(g, INTER, H), _r(g, INTER, H)
         t[p + "mlp.down_proj.weight"] = _r(g, H, INTER)
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": H, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": VOCAB, "intermediate_size": INTER,
-           "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": H,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "intermediate_size": INTER,
+        "torch_dtype": "bfloat16",
+    }
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(cfg))
     save_file(t, str(root / "model.safetensors"), metadata={"format": "pt"})
@@ -68,8 +84,11 @@ def tiny_qwen2(root: Path) -> Path:
 def tiny_bert(root: Path) -> Path:
     """A BERT encoder: every Linear has a bias (attention, intermediate, output), LayerNorms too."""
     g = torch.Generator().manual_seed(1)
-    t = {"embeddings.word_embeddings.weight": _r(g, VOCAB, H, sc=1),
-         "embeddings.LayerNorm.weight": torch.ones(H).bfloat16(), "embeddings.LayerNorm.bias": torch.zeros(H).bfloat16()}
+    t = {
+        "embeddings.word_embeddings.weight": _r(g, VOCAB, H, sc=1),
+        "embeddings.LayerNorm.weight": torch.ones(H).bfloat16(),
+        "embeddings.LayerNorm.bias": torch.zeros(H).bfloat16(),
+    }
     for i in range(2):
         p = f"encoder.layer.{i}."
         for n in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
@@ -78,8 +97,16 @@ def tiny_bert(root: Path) -> Path:
         t[p + "output.dense.weight"], t[p + "output.dense.bias"] = _r(g, H, INTER), _r(g, H, sc=0.5)
         for n in ("attention.output.LayerNorm", "output.LayerNorm"):
             t[p + n + ".weight"], t[p + n + ".bias"] = torch.ones(H).bfloat16(), torch.zeros(H).bfloat16()
-    cfg = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": H, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "intermediate_size": INTER, "vocab_size": VOCAB, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": H,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": INTER,
+        "vocab_size": VOCAB,
+        "torch_dtype": "bfloat16",
+    }
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(cfg))
     save_file(t, str(root / "model.safetensors"), metadata={"format": "pt"})
@@ -87,8 +114,9 @@ def tiny_bert(root: Path) -> Path:
 
 
 def run_convert(src: Path, dst: Path, scheme: str, dialect: str, **kw) -> Path:
-    opts = ConvertOptions(scheme=scheme, dialect=dialect, plan=PlanOptions(scheme=scheme), progress=False,
-                          fsync=False, **kw)
+    opts = ConvertOptions(
+        scheme=scheme, dialect=dialect, plan=PlanOptions(scheme=scheme), progress=False, fsync=False, **kw
+    )
     convert(str(src), dst, scheme, opts)
     return dst
 
@@ -101,6 +129,7 @@ def biased(tmp_path_factory):
 
 # ---- item 3: biases -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["qwen2", "bert"])
 @pytest.mark.parametrize("scheme,dialect", DIALECTS)
 def test_verify_and_inspect_accept_linear_biases(biased, tmp_path, arch, scheme, dialect):
@@ -110,7 +139,9 @@ def test_verify_and_inspect_accept_linear_biases(biased, tmp_path, arch, scheme,
     got = {}
     for f in dst.glob("*.safetensors"):
         got.update(load_file(str(f)))
-    biases = [n for n in want if n.endswith(".bias") and f"{n[:-5]}.weight" in want and want[f"{n[:-5]}.weight"].dim() == 2]
+    biases = [
+        n for n in want if n.endswith(".bias") and f"{n[:-5]}.weight" in want and want[f"{n[:-5]}.weight"].dim() == 2
+    ]
     assert len(biases) == (6 if arch == "qwen2" else 12)
     scale = "weight_scale_inv" if dialect == "sglang" else "weight_scale"
     quantized_biases = [n for n in biases if f"{n[:-5]}.{scale}" in got]
@@ -127,8 +158,9 @@ def test_verify_and_inspect_accept_linear_biases(biased, tmp_path, arch, scheme,
     rep = inspect_checkpoint(dst)
     assert rep.problems == [] and rep.notes == []
     bias_bytes = sum(want[n].numel() * 2 for n in biases)
-    kept_other = sum(t.numel() * 2 for n, t in want.items()
-                     if n not in biases and f"{n[:-len('.weight')]}.{scale}" not in got)
+    kept_other = sum(
+        t.numel() * 2 for n, t in want.items() if n not in biases and f"{n[: -len('.weight')]}.{scale}" not in got
+    )
     assert rep.totals["bytes_by_format"]["bf16"] == bias_bytes + kept_other
 
     # a changed bias byte fails, naming the bias
@@ -155,6 +187,7 @@ def test_bias_missing_or_extra_in_dst_fails(biased, tmp_path):
 
 # ---- item 2: non-finite figures --------------------------------------------------------------------
 
+
 def test_engine_nan_kl_fails(demo_dense, tmp_path, monkeypatch):
     """The outside report: `mean KL nan` and PASSED. A figure that is not a number fails."""
     import qconvert.verify as V
@@ -174,6 +207,7 @@ def test_engine_nan_kl_fails(demo_dense, tmp_path, monkeypatch):
     def fake(src, dst, engine, log):
         keep = ("top1_agreement", "mean_kl", "max_kl", "positions", "nonfinite_positions")
         return {"available": True, **{k: res[k] for k in keep}}
+
     monkeypatch.setattr(V, "engine_compare", fake)
     r = verify(str(demo_dense), str(dst), engine="vllm")
     assert not r.ok and r.checks["engine"] == "FAILED"
@@ -194,6 +228,7 @@ def test_tensor_nan_figure_fails(demo_dense, tmp_path, monkeypatch):
     def poisoned(x, ts, fmt, m, workers):
         rel, sqnr, worst, first = real(x, ts, fmt, m, workers)
         return (rel, math.nan, worst, first) if m.name == target else (rel, sqnr, worst, first)
+
     monkeypatch.setattr(V, "encoded_compare", poisoned)
     r = verify(str(demo_dense), str(dst))
     assert not r.ok
@@ -213,8 +248,11 @@ def test_figures_of_non_finite_sums_are_not_a_pass(xn, en):
 
 # ---- item 2: NVFP4 bytes are exact -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recipe", ["te", "modelopt"])
-@pytest.mark.parametrize("dialect,suffix", [("modelopt", "weight_scale_2"), ("compressed-tensors", "weight_global_scale")])
+@pytest.mark.parametrize(
+    "dialect,suffix", [("modelopt", "weight_scale_2"), ("compressed-tensors", "weight_global_scale")]
+)
 def test_nvfp4_global_scale_lowest_bit_fails(demo_dense, tmp_path, dialect, suffix, recipe):
     """Without output checksums nothing but the values can catch it; the error figures barely move
     (1 ulp of the global scale), so the check has to be exact."""
@@ -259,9 +297,15 @@ def test_different_source_without_digests_fails_and_says_what_it_cannot_tell(dem
     worst = max(t.rel_err for t in r.tensors)
     assert worst < 0.12  # the error figures alone cannot tell the fine-tune from the source
     assert not r.ok
-    assert r.diagnosis == r.failures[0] == ("28 of 47 tensors do not match SRC: DST was probably converted from "
-                                            "different weights than SRC (no source digests to confirm it); pass the "
-                                            "SRC DST was converted from")
+    assert (
+        r.diagnosis
+        == r.failures[0]
+        == (
+            "28 of 47 tensors do not match SRC: DST was probably converted from "
+            "different weights than SRC (no source digests to confirm it); pass the "
+            "SRC DST was converted from"
+        )
+    )
     assert all("the group" in f or "recipe gives" in f or "quantization" in f for f in r.failures[1:]), r.failures
     assert any("no source digests" in w and "cannot tell whether DST was converted from SRC" in w for w in r.warnings)
     assert r.checks["source"] == "not checked: no source digests"
@@ -278,10 +322,12 @@ def test_different_source_with_digests_leads_with_the_diagnosis(demo_dense, tmp_
     man = json.loads((dst / "qconvert.json").read_text())["source"]["sha256"]
     shard = sorted(p.name for p in ft.glob("*.safetensors"))[0]
     import hashlib
+
     got = hashlib.sha256((ft / shard).read_bytes()).hexdigest()
     assert r.failures[0] == r.diagnosis
-    assert r.diagnosis.startswith(f"DST was converted from different weights than SRC: shard {shard} sha256 {got} "
-                                  f"vs {man[shard]}")
+    assert r.diagnosis.startswith(
+        f"DST was converted from different weights than SRC: shard {shard} sha256 {got} vs {man[shard]}"
+    )
     assert len(r.failures) > 10  # every re-quantized tensor differs too
     res = CliRunner().invoke(main, ["verify", str(ft), str(dst)])
     assert res.exit_code == 1
@@ -296,14 +342,25 @@ def test_different_source_with_digests_leads_with_the_diagnosis(demo_dense, tmp_
 
 # ---- item 16: pre-shuffled NVFP4 for vLLM / compressed-tensors ---------------------------------------
 
-@pytest.mark.parametrize("dialect,engine", [("modelopt", "vllm"), ("compressed-tensors", "vllm"),
-                                            ("compressed-tensors", "sglang")])
+
+@pytest.mark.parametrize(
+    "dialect,engine", [("modelopt", "vllm"), ("compressed-tensors", "vllm"), ("compressed-tensors", "sglang")]
+)
 def test_preshuffled_nvfp4_verifies(demo_moe, tmp_path, dialect, engine):
     """Layouts whose plain scalars cannot be inverted (vLLM folds the activation scales into the
     global scales; compressed-tensors stores 2688/amax) used to fail with 5 problems."""
     plain = run_convert(demo_moe, tmp_path / "plain", "nvfp4", dialect, input_mode="unit")
-    lay = run_convert(demo_moe, tmp_path / "lay", "nvfp4", dialect, input_mode="unit", layout="flashinfer-trtllm",
-                      engine=engine, tp=2, output_checksums=False)
+    lay = run_convert(
+        demo_moe,
+        tmp_path / "lay",
+        "nvfp4",
+        dialect,
+        input_mode="unit",
+        layout="flashinfer-trtllm",
+        engine=engine,
+        tp=2,
+        output_checksums=False,
+    )
     r = verify(str(demo_moe), str(lay))
     assert r.ok, r.failures
     assert r.checks["layout"].startswith("ok") and "byte for byte" in r.checks["layout"]
@@ -334,6 +391,7 @@ def test_preshuffled_nvfp4_verifies(demo_moe, tmp_path, dialect, engine):
 
 # ---- item 17: the vLLM worker's error --------------------------------------------------------------
 
+
 def test_vllm_worker_error_reaches_the_report(demo_dense, tmp_path, monkeypatch):
     """`vLLM worker failed (exit 1):` and nothing else was all a user saw; here vLLM is made
     unimportable in the worker (a package that raises as a missing one does)."""
@@ -353,17 +411,21 @@ def test_vllm_worker_error_reaches_the_report(demo_dense, tmp_path, monkeypatch)
 def test_worker_error_line_from_a_vllm_traceback():
     from qconvert.engine.vllm_compare import worker_error
 
-    err = ("INFO 12-04 loading\n[vllm_compare] loading /m/dst\nTraceback (most recent call last):\n"
-           "  File \"x.py\", line 3, in <module>\n    LLM(**kw)\n"
-           "ValueError: NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded\n")
+    err = (
+        "INFO 12-04 loading\n[vllm_compare] loading /m/dst\nTraceback (most recent call last):\n"
+        '  File "x.py", line 3, in <module>\n    LLM(**kw)\n'
+        "ValueError: NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded\n"
+    )
     assert worker_error(err, ["[vllm_compare] loading /m/dst"]) == (
-        "ValueError: NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded [while: loading /m/dst]")
+        "ValueError: NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded [while: loading /m/dst]"
+    )
     assert worker_error("Killed\n") == "Killed"
     assert worker_error("") == "no error output"
     assert "\x1b" not in worker_error("RuntimeError: \x1b[2Kfake PASSED\n")
 
 
 # ---- decisions travel as values ----------------------------------------------------------------------
+
 
 def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
     import qconvert.verify as V
@@ -373,8 +435,11 @@ def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
 
     def wordy(*a, **kw):
         d = detect(*a, **kw)  # an informational finding whose text has the words a conflict's text has
-        d.findings.append(finding(Code.UNKNOWN_QUANT_METHOD, method="the README says this is a test; config.json declares nothing"))
+        d.findings.append(
+            finding(Code.UNKNOWN_QUANT_METHOD, method="the README says this is a test; config.json declares nothing")
+        )
         return d
+
     monkeypatch.setattr(V, "detect", wordy)
     r = verify(str(demo_dense), str(dst))
     assert r.ok, r.failures
@@ -391,8 +456,16 @@ def test_conflicts_are_values_not_words(demo_dense, tmp_path, monkeypatch):
 
 
 def test_preshuffled_layout_tensor_of_wrong_shape_is_one_line(demo_moe, tmp_path):
-    lay = run_convert(demo_moe, tmp_path / "lay", "nvfp4", "modelopt", input_mode="unit", layout="flashinfer-trtllm",
-                      engine="vllm", output_checksums=False)
+    lay = run_convert(
+        demo_moe,
+        tmp_path / "lay",
+        "nvfp4",
+        "modelopt",
+        input_mode="unit",
+        layout="flashinfer-trtllm",
+        engine="vllm",
+        output_checksums=False,
+    )
     name = "model.layers.1.mlp.experts.trtllm.w13_weight"
     for f in lay.glob("*.safetensors"):
         t = load_file(str(f))
@@ -400,8 +473,12 @@ def test_preshuffled_layout_tensor_of_wrong_shape_is_one_line(demo_moe, tmp_path
             t[name] = t[name][:, :128].contiguous()
             save_file(t, str(f), metadata={"format": "pt"})
     res = CliRunner().invoke(main, ["verify", str(demo_moe), str(lay)])
-    assert res.exit_code == 1 and "Traceback" not in res.output and res.exception is None or isinstance(
-        res.exception, SystemExit), res.output
+    assert (
+        res.exit_code == 1
+        and "Traceback" not in res.output
+        and res.exception is None
+        or isinstance(res.exception, SystemExit)
+    ), res.output
     assert f"tensor {name!r}: torch.uint8 [8, 128, 128], the layout gives torch.uint8 [8, 256, 128]" in res.output
     assert "tensor model.layers.1.mlp.experts.*: the layout tensors cannot be decoded" in res.output
 

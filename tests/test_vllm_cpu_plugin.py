@@ -88,12 +88,17 @@ def _load_all(d: Path) -> dict[str, torch.Tensor]:
 
 def _copy_side_files(src: Path, dst: Path) -> None:
     for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in (
-            "model.safetensors.index.json",
-            "config.json",
-            "hf_quant_config.json",
-            "qconvert.json",
-        ) and f.is_file():
+        if (
+            f.suffix != ".safetensors"
+            and f.name
+            not in (
+                "model.safetensors.index.json",
+                "config.json",
+                "hf_quant_config.json",
+                "qconvert.json",
+            )
+            and f.is_file()
+        ):
             (dst / f.name).write_bytes(f.read_bytes())
 
 
@@ -158,7 +163,7 @@ def make_swapped(qdir: Path, dst: Path) -> Path:
     swapped = {}
     for name in sd:
         if name.startswith(a + "."):
-            other = b + name[len(a):]
+            other = b + name[len(a) :]
             swapped[name], swapped[other] = sd[other], sd[name]
     assert swapped, "nothing swapped"
     for f in sorted(dst.glob("*.safetensors")):
@@ -298,8 +303,11 @@ def test_equals_bf16_of_qconverts_dequantized_weights(family):
 
 
 def test_close_to_source(family):
-    bound = {"mxfp8": MXFP8_VS_SOURCE_MEAN_KL, "weight-only": NVFP4_W4A16_VS_SOURCE_MEAN_KL,
-             "unit": NVFP4_W4A4_VS_SOURCE_MEAN_KL}
+    bound = {
+        "mxfp8": MXFP8_VS_SOURCE_MEAN_KL,
+        "weight-only": NVFP4_W4A16_VS_SOURCE_MEAN_KL,
+        "unit": NVFP4_W4A4_VS_SOURCE_MEAN_KL,
+    }
     for q in RUNS[family["arch"]]:
         scheme, _, mode, _ = FORMATS[q]
         m = _cmp(family, "src", q)
@@ -447,8 +455,9 @@ def test_plugin_classes_unpickle_in_another_process():
         "from qconvert.engine import vllm_cpu_plugin as p\n"
         "print(json.dumps({n: [c is getattr(p, n), c.__module__, c.__qualname__] for n, c in out.items()}))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(blobs), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(blobs), capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {n: [True, plugin.__name__, n] for n in plugin.CLASS_NAMES}
@@ -459,7 +468,6 @@ def test_entry_point_declared():
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps.get("qconvert_cpu_emulation") == "qconvert.engine.vllm_cpu_plugin:register"
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,15 +538,24 @@ def test_default_settings_llm_loads_generates_and_reloads(tmp_path):
         (convert_with_qconvert(src, tmp_path / k, k), convert_with_qconvert(src_b, tmp_path / f"{k}_b", k))
         for k in DEFAULT_SETTINGS_FORMATS
     ]
-    spec = {"models": [[str(a), str(b)] for a, b in pairs], "prompts": PROMPTS,
-            "max_tokens": MAX_TOKENS, "top_k": DEFAULT_SETTINGS_TOP_K}
+    spec = {
+        "models": [[str(a), str(b)] for a, b in pairs],
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "top_k": DEFAULT_SETTINGS_TOP_K,
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     # vLLM CPU's default KV cache is 90 % of the machine's RAM and refuses to start unless that
     # much is free (the README's server command sets the same variable); the compile cache goes
     # to tmp_path so the model is really compiled, not read from an earlier run's cache
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    p = subprocess.run([sys.executable, "-c", _DEFAULT_SETTINGS_SCRIPT, json.dumps(spec)],
-                       env=env, capture_output=True, text=True, timeout=1500)
+    p = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_SETTINGS_SCRIPT, json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "RESULT " in p.stdout, out[-4000:]
     default = json.loads(p.stdout.split("RESULT ", 1)[1])
@@ -574,8 +591,9 @@ def readme_server_commands() -> tuple[str, str]:
     """The README's vLLM server command (continuation lines joined) and the reload command that
     follows it, read from README.md so that the two cannot drift apart."""
     lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
-    start = next(i for i, ln in enumerate(lines)
-                 if ln.startswith("    ") and "vllm.entrypoints.openai.api_server" in ln)
+    start = next(
+        i for i, ln in enumerate(lines) if ln.startswith("    ") and "vllm.entrypoints.openai.api_server" in ln
+    )
     server, i = "", start
     while True:
         part = lines[i].strip()
@@ -625,8 +643,14 @@ def test_readme_server_command_serves_and_reloads(tmp_path):
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")  # compile for real, not from a cache
     log = tmp_path / "server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(["bash", "-c", f"{server_cmd} --port {port}"], cwd=tmp_path, env=env,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "-c", f"{server_cmd} --port {port}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.time() + 900
         while True:
@@ -641,17 +665,31 @@ def test_readme_server_command_serves_and_reloads(tmp_path):
 
         def complete() -> str:
             model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            resp = requests.post(url + "/v1/completions", timeout=300, json={
-                "model": model, "prompt": "The capital of France is", "max_tokens": 8,
-                "temperature": 0.0, "ignore_eos": True})
+            resp = requests.post(
+                url + "/v1/completions",
+                timeout=300,
+                json={
+                    "model": model,
+                    "prompt": "The capital of France is",
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
             assert resp.status_code == 200, resp.text
             body = resp.json()
             assert body["usage"]["completion_tokens"] == 8, body
             return body["choices"][0]["text"]
 
         before = complete()
-        rel = subprocess.run(["bash", "-c", reload_cmd.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        rel = subprocess.run(
+            ["bash", "-c", reload_cmd.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert rel.returncode == 0, rel.stdout + rel.stderr
         after = complete()
         assert after != before, (before, after)

@@ -56,8 +56,9 @@ class FakeRoutedExperts(torch.nn.Module):
             t = t.view(dtype) if dtype.itemsize == 1 else torch.rand(shape, generator=g).to(dtype)
             self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         self.quant_method = FakeQuantMethod(scheme, backend)
-        self.moe_config = SimpleNamespace(moe_parallel_config=SimpleNamespace(
-            tp_size=tp, tp_rank=tp_rank, ep_size=ep, ep_rank=ep_rank, use_ep=ep > 1))
+        self.moe_config = SimpleNamespace(
+            moe_parallel_config=SimpleNamespace(tp_size=tp, tp_rank=tp_rank, ep_size=ep, ep_rank=ep_rank, use_ep=ep > 1)
+        )
 
 
 class FakeRunner(torch.nn.Module):
@@ -92,8 +93,21 @@ class FakeModel(torch.nn.Module):
 
 
 def _convert(src, dst, scheme, tp=1, ep=1, extra=()):
-    args = [scheme, str(src), str(dst), "--no-progress", "--layout", "flashinfer-trtllm", "--engine", "vllm",
-            "--tp", str(tp), "--ep", str(ep), *extra]
+    args = [
+        scheme,
+        str(src),
+        str(dst),
+        "--no-progress",
+        "--layout",
+        "flashinfer-trtllm",
+        "--engine",
+        "vllm",
+        "--tp",
+        str(tp),
+        "--ep",
+        str(ep),
+        *extra,
+    ]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     return dst
@@ -119,8 +133,18 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def fake_model_for(ckpt: Path, tp_rank=0, ep_rank=0, *, tp=None, ep=None, scheme_override=None,
-                   backend=Backend.FLASHINFER_TRTLLM, drop_layer=None, mutate=None) -> FakeModel:
+def fake_model_for(
+    ckpt: Path,
+    tp_rank=0,
+    ep_rank=0,
+    *,
+    tp=None,
+    ep=None,
+    scheme_override=None,
+    backend=Backend.FLASHINFER_TRTLLM,
+    drop_layer=None,
+    mutate=None,
+) -> FakeModel:
     """A fake engine matching the checkpoint's manifest (or not, via the keyword arguments)."""
     lay = json.loads((ckpt / "qconvert.json").read_text())["layout"]
     tp = lay["tp"] if tp is None else tp
@@ -131,8 +155,16 @@ def fake_model_for(ckpt: Path, tp_rank=0, ep_rank=0, *, tp=None, ep=None, scheme
         if idx == drop_layer:
             continue
         c = lay["contracts"][scheme]
-        specs = layout_jobs.rank_specs(scheme, "vllm", c["num_experts"], c["intermediate_size"], c["hidden_size"],
-                                       lay["tp"], lay["ep"], scheme == "nvfp4")[(0, 0)]
+        specs = layout_jobs.rank_specs(
+            scheme,
+            "vllm",
+            c["num_experts"],
+            c["intermediate_size"],
+            c["hidden_size"],
+            lay["tp"],
+            lay["ep"],
+            scheme == "nvfp4",
+        )[(0, 0)]
         if scheme == "nvfp4":  # the served input scales equal the checkpoint's (see the NVFP4 guard)
             specs = [(n, d, s) for n, d, s in specs]
         mod = FakeRoutedExperts(specs, (scheme_override or {}).get(idx, scheme), tp, tp_rank, ep, ep_rank, backend)
@@ -255,8 +287,9 @@ def test_refuses_contract_for_other_engine(ckpts, tmp_path):
 
 
 def test_refuses_changed_padding_rule(ckpts, tmp_path):
-    c = _clone(ckpts["mxfp8"], tmp_path / "c",
-               lambda lay: lay["contracts"]["mxfp8"]["padding"].update(hidden_multiple=128))
+    c = _clone(
+        ckpts["mxfp8"], tmp_path / "c", lambda lay: lay["contracts"]["mxfp8"]["padding"].update(hidden_multiple=128)
+    )
     _refused(fake_model_for(ckpts["mxfp8"]), c, "padding")
 
 
@@ -298,8 +331,10 @@ def test_refuses_scheme_mismatch_on_last_layer(ckpts):
 def test_refuses_dtype_mismatch(ckpts):
     def mutate(idx, mod):
         if idx == 2:
-            mod.w13_weight_scale = torch.nn.Parameter(mod.w13_weight_scale.data.view(torch.float8_e4m3fn),
-                                                      requires_grad=False)
+            mod.w13_weight_scale = torch.nn.Parameter(
+                mod.w13_weight_scale.data.view(torch.float8_e4m3fn), requires_grad=False
+            )
+
     msg = _refused(fake_model_for(ckpts["mxfp8"], mutate=mutate), ckpts["mxfp8"], "w13_weight_scale")
     assert "model.layers.2.mlp.experts" in msg and "float8_e4m3fn" in msg and "uint8" in msg
 
@@ -308,8 +343,10 @@ def test_refuses_shape_mismatch(ckpts):
     def mutate(idx, mod):
         if idx == 1:  # e.g. the engine padded I differently
             w = mod.w2_weight.data
-            mod.w2_weight = torch.nn.Parameter(torch.zeros(w.shape[0], w.shape[1], w.shape[2] * 2, dtype=w.dtype),
-                                               requires_grad=False)
+            mod.w2_weight = torch.nn.Parameter(
+                torch.zeros(w.shape[0], w.shape[1], w.shape[2] * 2, dtype=w.dtype), requires_grad=False
+            )
+
     msg = _refused(fake_model_for(ckpts["mxfp8"], mutate=mutate), ckpts["mxfp8"], "w2_weight")
     assert "model.layers.1.mlp.experts" in msg and "(8, 256, 256)" in msg
 
@@ -318,11 +355,13 @@ def test_refuses_missing_parameter_and_extra_parameter(ckpts):
     def drop(idx, mod):
         if idx == 0:
             del mod._parameters["w2_weight_scale"]
+
     _refused(fake_model_for(ckpts["mxfp8"], mutate=drop), ckpts["mxfp8"], "no parameter w2_weight_scale")
 
     def add(idx, mod):
         if idx == 0:
             mod.w13_bias = torch.nn.Parameter(torch.zeros(8, 256), requires_grad=False)
+
     _refused(fake_model_for(ckpts["mxfp8"], mutate=add), ckpts["mxfp8"], "w13_bias")
 
 
@@ -338,8 +377,10 @@ def test_refuses_missing_rank_tensor(ckpts, tmp_path):
     def edit(lay):
         lay.update(tp=1, ep=1)
         for c in lay["contracts"].values():
-            c.update(tp=1, ep=1, num_local_experts=8, intermediate_size_per_rank=128,
-                     intermediate_size_per_rank_padded=128)
+            c.update(
+                tp=1, ep=1, num_local_experts=8, intermediate_size_per_rank=128, intermediate_size_per_rank_padded=128
+            )
+
     c = _clone(src, tmp_path / "c", edit)
     model = fake_model_for(ckpts["mxfp8"])  # tp=1 engine with layers 0-3 mxfp8/bf16
     before = _snapshot(model)
@@ -352,6 +393,7 @@ def test_refuses_nvfp4_changed_input_scale(ckpts):
     def mutate(idx, mod):
         if idx == 0:
             mod.w2_input_scale.data.mul_(2)
+
     msg = _refused(fake_model_for(ckpts["nvfp4"], mutate=mutate), ckpts["nvfp4"], "w2_input_scale differs")
     assert "model.layers.0.mlp.experts" in msg
 
@@ -422,16 +464,20 @@ def test_client_routes_by_manifest(ckpts, demo_moe):
     c = FakeClient()
     reload_checkpoint(c, ckpts["mxfp8"])
     reload_checkpoint(c, demo_moe)
-    assert c.calls == [(L.RPC_METHOD, {"path": str(ckpts["mxfp8"])}),
-                       ("reload_weights", {"weights_path": str(demo_moe)})]
+    assert c.calls == [
+        (L.RPC_METHOD, {"path": str(ckpts["mxfp8"])}),
+        ("reload_weights", {"weights_path": str(demo_moe)}),
+    ]
     preflight(FakeClient(ext=False), demo_moe)  # plain checkpoint: no extension needed
     with pytest.raises(ReloadError, match="--worker-extension-cls"):
         preflight(FakeClient(ext=False), ckpts["mxfp8"])
 
 
 def test_guard_names_the_layout_tensor():
-    weights = [("model.embed_tokens.weight", torch.zeros(1)),
-               ("model.layers.0.mlp.experts.trtllm_tp1_ep0.w13_weight", torch.zeros(1))]
+    weights = [
+        ("model.embed_tokens.weight", torch.zeros(1)),
+        ("model.layers.0.mlp.experts.trtllm_tp1_ep0.w13_weight", torch.zeros(1)),
+    ]
     g = L.guard_weights(iter(weights))
     assert next(g)[0] == "model.embed_tokens.weight"
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.trtllm_tp1_ep0\.w13_weight"):
@@ -450,7 +496,8 @@ def test_vllm_internals_the_loader_reads_exist():
     assert "self.mxfp8_backend, self.experts_cls" in src("model_executor/layers/quantization/modelopt.py")
     assert "self.nvfp4_backend, self.experts_cls" in src("model_executor/layers/quantization/modelopt.py")
     assert "self.unquantized_backend, self.experts_cls" in src(
-        "model_executor/layers/fused_moe/unquantized_fused_moe_method.py")
+        "model_executor/layers/fused_moe/unquantized_fused_moe_method.py"
+    )
     assert "self.routed_experts = routed_experts" in src("model_executor/layers/fused_moe/runner/moe_runner.py")
     cfg = src("model_executor/layers/fused_moe/config.py")
     assert all(f"    {k}: int" in cfg for k in ("tp_size", "tp_rank", "ep_size", "ep_rank"))
@@ -485,7 +532,6 @@ def test_real_vllm_refuses_preshuffled_checkpoint_with_guard(demo_moe, tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "LOADED" not in out, out[-3000:]
     assert ".mlp.experts.trtllm.w" in out and "pre-shuffled FlashInfer TRT-LLM expert tensor" in out, out[-3000:]
-
 
 
 @pytest.mark.parametrize("tp_rank,ep_rank", [(0, 0), (1, 1)])

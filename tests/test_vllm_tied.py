@@ -33,7 +33,7 @@ def tied(tmp_path_factory):
     jobs = [{"model": src}] + [{"model": dq[k]} for k in KEYS] + [{"model": ck[k], "inspect": True} for k in KEYS]
     res = run_in_vllm(jobs, PROMPTS, MAX_TOKENS, top_k=20, score_with_first=True)["jobs"]
     n = len(KEYS)
-    return {"src": res[0], "dq": dict(zip(KEYS, res[1:1 + n])), "q": dict(zip(KEYS, res[1 + n:]))}
+    return {"src": res[0], "dq": dict(zip(KEYS, res[1 : 1 + n])), "q": dict(zip(KEYS, res[1 + n :]))}
 
 
 @pytest.mark.parametrize("key", KEYS)

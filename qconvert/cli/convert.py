@@ -39,8 +39,15 @@ def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
         key = (ms[0]["pre"], ms[0]["mid"], r.fmt, tuple(r.shape), r.reason)
         g = groups.get(key)
         if g is None:
-            g = groups[key] = {"at": len(lines), "layers": set(), "experts": set(), "projs": [], "n": 0,
-                               "in": 0, "out": 0}
+            g = groups[key] = {
+                "at": len(lines),
+                "layers": set(),
+                "experts": set(),
+                "projs": [],
+                "n": 0,
+                "in": 0,
+                "out": 0,
+            }
             lines.append(None)
         for m in ms:
             g["layers"].add(int(m["layer"]))
@@ -51,8 +58,10 @@ def plan_lines(rows) -> list[tuple[str, str, str, int, int, str]]:
         g["in"] += r.bytes_in
         g["out"] += r.bytes_out
     for (pre, _mid, fmt, shape, reason), g in groups.items():
-        what = (f"{pre.rstrip('.')} {index_ranges(g['layers'])} experts {index_ranges(g['experts'])} "
-                f"{'/'.join(g['projs'])} ({g['n']} tensors)")
+        what = (
+            f"{pre.rstrip('.')} {index_ranges(g['layers'])} experts {index_ranges(g['experts'])} "
+            f"{'/'.join(g['projs'])} ({g['n']} tensors)"
+        )
         lines[g["at"]] = (what, fmt, str(list(shape)), g["in"], g["out"], reason)
     return lines
 
@@ -75,9 +84,11 @@ def format_line(result) -> str:
     if result.scheme == "nvfp4":
         recipe = getattr(o, "recipe", "te")
         mode = getattr(o, "input_mode", "weight-only")
-        act = {"weight-only": "W4A16 (weights only; no input scales) -- the safe default",
-               "unit": "W4A4, input scale 1.0 (run the engine in per-token activation mode)",
-               "copied": f"W4A4, input scales copied from {getattr(o, 'input_scales_from', None)}"}[mode]
+        act = {
+            "weight-only": "W4A16 (weights only; no input scales) -- the safe default",
+            "unit": "W4A4, input scale 1.0 (run the engine in per-token activation mode)",
+            "copied": f"W4A4, input scales copied from {getattr(o, 'input_scales_from', None)}",
+        }[mode]
         return f"NVFP4 {act}; {recipe} recipe"
     return "BF16 (nothing quantized)"
 
@@ -86,8 +97,10 @@ def layout_line(result) -> str:
     o = result.options
     if o is None or not o.layout:
         return "plain (tensors as the engines' stock loaders read them)"
-    return (f"{o.layout} for {o.engine}, --tp {o.tp} --ep {o.ep} (MoE experts pre-shuffled under "
-            "'.trtllm' names, which stock loaders skip: see the README's kernel-ready MoE layouts)")
+    return (
+        f"{o.layout} for {o.engine}, --tp {o.tp} --ep {o.ep} (MoE experts pre-shuffled under "
+        "'.trtllm' names, which stock loaders skip: see the README's kernel-ready MoE layouts)"
+    )
 
 
 def kept_line(result) -> str:
@@ -101,8 +114,10 @@ def kept_line(result) -> str:
     if set(dtypes) <= {"BF16"}:
         s = f"{len(kept)} weights, BF16"
     else:
-        s = (f"{len(kept)} weights, in the source's dtype ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))};"
-             " not cast: engines cast them to the model's dtype when loading)")
+        s = (
+            f"{len(kept)} weights, in the source's dtype ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))};"
+            " not cast: engines cast them to the model's dtype when loading)"
+        )
     return s + (f" (BF16 layers: {p.bf16_layers})" if p.bf16_layers else "")
 
 
@@ -116,7 +131,9 @@ def print_summary(result, dry_run: bool):
     click.echo(f"  quantized tensors : {len(q)}")
     click.echo(f"  kept unquantized  : {kept_line(result)}")
     ratio = result.bytes_in / result.bytes_out if result.bytes_out else 0
-    click.echo(f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)")
+    click.echo(
+        f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)"
+    )
     click.echo(f"  exclusion list    : {len(p.exclusions)} entries")
     odd = sorted({t.reason for t in p.tensors.values() if t.code in NOTABLE_REASONS})
     for r in odd:
@@ -145,8 +162,10 @@ def _refuse_ignored_options(scheme: str, layout: str | None):
     if scheme == "bf16":
         for name in QUANT_ONLY:
             if name in ctx.params and given(ctx, name):
-                raise click.UsageError(f"{flag(name)} chooses what is quantized, and qconvert bf16 quantizes "
-                                       f"nothing; drop it, or use qconvert mxfp8/nvfp4")
+                raise click.UsageError(
+                    f"{flag(name)} chooses what is quantized, and qconvert bf16 quantizes "
+                    f"nothing; drop it, or use qconvert mxfp8/nvfp4"
+                )
 
 
 def _refuse_existing(dst, force: bool):
@@ -157,9 +176,26 @@ def _refuse_existing(dst, force: bool):
         raise OutputError(f"{p.absolute()}: already exists; choose another DST or pass --force to replace it")
 
 
-def _run_convert(scheme, *, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quantize_lm_head, dry_run, force,
-                 device, allow_non_finite, progress, dialect=None, push_to_hub=None, private=False, revision=None,
-                 **extra):
+def _run_convert(
+    scheme,
+    *,
+    src,
+    dst,
+    last_n_bf16,
+    first_n_bf16,
+    keep_bf16,
+    quantize_lm_head,
+    dry_run,
+    force,
+    device,
+    allow_non_finite,
+    progress,
+    dialect=None,
+    push_to_hub=None,
+    private=False,
+    revision=None,
+    **extra,
+):
     """One convert command: the CLI's checks (before torch loads), the library's ``convert``, the report."""
     if dst is None and not dry_run:
         raise click.UsageError("DST is required unless --dry-run is given")
@@ -169,20 +205,35 @@ def _run_convert(scheme, *, src, dst, last_n_bf16, first_n_bf16, keep_bf16, quan
     from ..convert.pipeline import ConvertOptions, convert  # imports torch
     from ..convert.plan import PlanOptions
 
-    popts = PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16, first_n_bf16=first_n_bf16,
-                        keep_bf16=tuple(keep_bf16), quantize_lm_head=quantize_lm_head,
-                        experts_only=extra.pop("experts_only", False))
+    popts = PlanOptions(
+        scheme=scheme,
+        last_n_bf16=last_n_bf16,
+        first_n_bf16=first_n_bf16,
+        keep_bf16=tuple(keep_bf16),
+        quantize_lm_head=quantize_lm_head,
+        experts_only=extra.pop("experts_only", False),
+    )
     no_checksums = extra.pop("no_checksums", False)
     extra["source_checksums"] = not (extra.pop("no_source_checksums", False) or no_checksums)
     extra["output_checksums"] = not no_checksums
-    opts = ConvertOptions(scheme=scheme, dialect=dialect, plan=popts, device=device, force=force, dry_run=dry_run,
-                          allow_non_finite=allow_non_finite, progress=progress, **extra)
+    opts = ConvertOptions(
+        scheme=scheme,
+        dialect=dialect,
+        plan=popts,
+        device=device,
+        force=force,
+        dry_run=dry_run,
+        allow_non_finite=allow_non_finite,
+        progress=progress,
+        **extra,
+    )
     result = convert(src, dst, scheme, opts)
     if dry_run:
         print_plan(result)
     print_summary(result, dry_run)
     if push_to_hub and not dry_run:
         from .hub import push_after_convert
+
         push_after_convert(src, result.dst, push_to_hub, private, revision, progress)
     return result
 
@@ -246,8 +297,9 @@ def demo(dst, arch, scheme, last_n_bf16, seed, force):
     _refuse_existing(Path(dst) / "bf16", force)
     from ..convert.demo import convert_demo  # imports torch
 
-    result = convert_demo(dst, arch=arch, scheme=scheme, last_n_bf16=last_n_bf16, force=force, log=click.echo,
-                          seed=seed)
+    result = convert_demo(
+        dst, arch=arch, scheme=scheme, last_n_bf16=last_n_bf16, force=force, log=click.echo, seed=seed
+    )
     print_summary(result, dry_run=False)
 
 

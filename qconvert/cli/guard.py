@@ -35,8 +35,11 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_VAR, "") not in ("", "0")
 
 
-def handle_errors(fn=None, *, interrupted: str = "interrupted; nothing was installed at DST "
-                                                  "(rerun the same command with --resume to continue)"):
+def handle_errors(
+    fn=None,
+    *,
+    interrupted: str = "interrupted; nothing was installed at DST (rerun the same command with --resume to continue)",
+):
     """Print a QConvertError as one line and exit 1; Ctrl-C exits 130 without a traceback."""
     if fn is None:
         return functools.partial(handle_errors, interrupted=interrupted)
@@ -53,6 +56,7 @@ def handle_errors(fn=None, *, interrupted: str = "interrupted; nothing was insta
         except KeyboardInterrupt:
             click.echo(interrupted, err=True)
             sys.exit(EXIT_INTERRUPTED)
+
     return wrapper
 
 
@@ -66,8 +70,10 @@ def _command_path(ctx: click.Context | None, fallback: str) -> str:
 
 def internal_error_line(command: str, e: BaseException) -> str:
     what = one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, 600)
-    return (f"error: {command}: internal error: {what} (this is a bug in qconvert; set {DEBUG_VAR}=1 "
-            "to see the traceback and report it)")
+    return (
+        f"error: {command}: internal error: {what} (this is a bug in qconvert; set {DEBUG_VAR}=1 "
+        "to see the traceback and report it)"
+    )
 
 
 class GuardedGroup(click.Group):
@@ -97,6 +103,7 @@ class GuardedGroup(click.Group):
         entry_point = args is None  # the `qconvert` process itself (CliRunner passes args)
         if entry_point and threading.current_thread() is threading.main_thread():
             import signal
+
             signal.signal(signal.SIGINT, _first_sigint)
         code = 0
         try:
@@ -136,6 +143,7 @@ def _first_sigint(signum, frame):
     import signal
 
     from ..interrupts import mark_stopping
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mark_stopping()  # code that waits on a server while stopping may take a second Ctrl-C (interrupts.py)
     raise KeyboardInterrupt

@@ -44,8 +44,15 @@ def verify(src, dst, as_json, max_rel_err, check_in_engine, old_engine, max_kl, 
     from ..verify import format_report
     from ..verify import verify as run_verify
 
-    r = run_verify(src, dst, max_rel_err=max_rel_err, progress=progress, log=lambda s: click.echo(s, err=True),
-                   engine=check_in_engine or old_engine, max_kl=max_kl)
+    r = run_verify(
+        src,
+        dst,
+        max_rel_err=max_rel_err,
+        progress=progress,
+        log=lambda s: click.echo(s, err=True),
+        engine=check_in_engine or old_engine,
+        max_kl=max_kl,
+    )
     if as_json:
         click.echo(json.dumps(r.to_dict(), indent=2, default=str))
     else:

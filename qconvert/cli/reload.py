@@ -57,39 +57,92 @@ def reload():
 
 @reload.command("vllm")
 @RELOAD
-@click.option("--pause", type=click.Choice(["wait", "abort", "keep"]), default="wait", show_default=True,
-              help="wait: finish running requests, queue new ones; abort: abort running; keep: freeze them "
-                   "(they finish on the new weights).")
-@click.option("--rollback", default=None, metavar="CKPT",
-              help="Checkpoint the servers serve now, reloaded if the reload fails (default: found automatically).")
+@click.option(
+    "--pause",
+    type=click.Choice(["wait", "abort", "keep"]),
+    default="wait",
+    show_default=True,
+    help="wait: finish running requests, queue new ones; abort: abort running; keep: freeze them "
+    "(they finish on the new weights).",
+)
+@click.option(
+    "--rollback",
+    default=None,
+    metavar="CKPT",
+    help="Checkpoint the servers serve now, reloaded if the reload fails (default: found automatically).",
+)
 @_errors
-def reload_vllm_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
-                    reload_timeout, pause, rollback):
+def reload_vllm_cmd(
+    targets,
+    via,
+    weight_version,
+    api_key,
+    verify,
+    stage_name,
+    keep_staged,
+    retries,
+    timeout,
+    reload_timeout,
+    pause,
+    rollback,
+):
     """Reload CKPT into vLLM servers started with VLLM_SERVER_DEV_MODE=1 (vLLM 0.32/0.33)."""
     from qconvert.client.vllm_client import reload_vllm
 
     urls, ckpt = _split(targets)
-    _report(reload_vllm(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
-                        verify=verify, stage_name=stage_name, rollback=rollback, retries=retries,
-                        keep_staged=keep_staged, **_timeouts(timeout, reload_timeout)), "vllm")
+    _report(
+        reload_vllm(
+            urls,
+            ckpt,
+            via=via,
+            pause=pause,
+            weight_version=weight_version,
+            api_key=api_key,
+            verify=verify,
+            stage_name=stage_name,
+            rollback=rollback,
+            retries=retries,
+            keep_staged=keep_staged,
+            **_timeouts(timeout, reload_timeout),
+        ),
+        "vllm",
+    )
 
 
 @reload.command("sglang")
 @RELOAD
-@click.option("--pause", type=click.Choice(["abort", "retract", "in_place"]), default="retract",
-              show_default=True,
-              help="abort: abort running requests; retract: re-queue them (recomputed on the new weights); "
-                   "in_place: keep them and their KV cache (cache not flushed).")
+@click.option(
+    "--pause",
+    type=click.Choice(["abort", "retract", "in_place"]),
+    default="retract",
+    show_default=True,
+    help="abort: abort running requests; retract: re-queue them (recomputed on the new weights); "
+    "in_place: keep them and their KV cache (cache not flushed).",
+)
 @_errors
-def reload_sglang_cmd(targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout,
-                      reload_timeout, pause):
+def reload_sglang_cmd(
+    targets, via, weight_version, api_key, verify, stage_name, keep_staged, retries, timeout, reload_timeout, pause
+):
     """Reload CKPT into SGLang servers (0.5.23) through /update_weights_from_disk."""
     from qconvert.client.sglang_client import reload_sglang
 
     urls, ckpt = _split(targets)
-    _report(reload_sglang(urls, ckpt, via=via, pause=pause, weight_version=weight_version, api_key=api_key,
-                          verify=verify, stage_name=stage_name, retries=retries, keep_staged=keep_staged,
-                          **_timeouts(timeout, reload_timeout)), "sglang")
+    _report(
+        reload_sglang(
+            urls,
+            ckpt,
+            via=via,
+            pause=pause,
+            weight_version=weight_version,
+            api_key=api_key,
+            verify=verify,
+            stage_name=stage_name,
+            retries=retries,
+            keep_staged=keep_staged,
+            **_timeouts(timeout, reload_timeout),
+        ),
+        "sglang",
+    )
 
 
 class _StageGroup(click.Group):
@@ -119,8 +172,10 @@ def stage_create(ckpt, name):
     from qconvert.client import staging
 
     area = staging.stage_checkpoint(ckpt, name)
-    click.echo(f"staged {ckpt} as {area.path} ({area.nbytes / 1e6:.1f} MB, "
-               f"{len(area.manifest['tensors'])} tensors, 256-byte aligned)")
+    click.echo(
+        f"staged {ckpt} as {area.path} ({area.nbytes / 1e6:.1f} MB, "
+        f"{len(area.manifest['tensors'])} tensors, 256-byte aligned)"
+    )
 
 
 @stage.command("list")

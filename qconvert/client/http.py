@@ -122,8 +122,13 @@ def describe(body: Any, text: str = "") -> str:
     """What a reply is, for a message: 'a JSON list', 'not JSON (starts '...')'."""
     if body is _NOT_JSON:
         return f"not JSON (starts {clean(text, 60)!r})" if text.strip() else "empty"
-    return {dict: "a JSON object", list: "a JSON list", str: "a JSON string", bool: "a JSON boolean",
-            type(None): "JSON null"}.get(type(body), "a JSON number")
+    return {
+        dict: "a JSON object",
+        list: "a JSON list",
+        str: "a JSON string",
+        bool: "a JSON boolean",
+        type(None): "JSON null",
+    }.get(type(body), "a JSON number")
 
 
 _NOT_JSON = object()
@@ -170,8 +175,16 @@ class HttpClient:
     """JSON client for one server. ``base_url`` like ``http://host:port`` (``https``, a path prefix
     and ``user:password@`` are accepted). An invalid URL is a one-line :class:`QConvertError`."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 0.5, max_backoff: float = 8.0, sleep: Callable[[float], None] | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 8.0,
+        sleep: Callable[[float], None] | None = None,
+    ):
         raw = str(base_url).strip()
         if "://" not in raw:
             raw = "http://" + raw
@@ -180,11 +193,14 @@ class HttpClient:
             parts = urlsplit(raw)
             port = parts.port
         except ValueError as e:
-            raise QConvertError(f"{clean(shown)}: invalid server URL ({clean(e)}); give http://HOST:PORT "
-                                "with a port from 1 to 65535") from None
+            raise QConvertError(
+                f"{clean(shown)}: invalid server URL ({clean(e)}); give http://HOST:PORT with a port from 1 to 65535"
+            ) from None
         if parts.scheme not in ("http", "https"):
-            raise QConvertError(f"{clean(shown)}: unsupported URL scheme {clean(parts.scheme)!r}; "
-                                "give http://HOST:PORT or https://HOST:PORT")
+            raise QConvertError(
+                f"{clean(shown)}: unsupported URL scheme {clean(parts.scheme)!r}; "
+                "give http://HOST:PORT or https://HOST:PORT"
+            )
         if not parts.hostname:
             raise QConvertError(f"{clean(shown)}: no host in the server URL; give http://HOST:PORT")
         if port == 0:
@@ -304,17 +320,27 @@ class HttpClient:
                     last = f"HTTP {status}: {self.clean(server_message(body, text) if body is not _NOT_JSON else text)}"
                 elif 300 <= status < 400 and status not in ok_status:
                     where = self.clean(redact_url(hdrs.get("Location") or "(no Location)"), 120)
-                    raise ServerError(shown, status, f"redirects to {where}; qconvert does not follow redirects: "
-                                                     "give the server's own URL")
+                    raise ServerError(
+                        shown,
+                        status,
+                        f"redirects to {where}; qconvert does not follow redirects: give the server's own URL",
+                    )
                 elif 200 <= status < 300 or status in ok_status:
                     if body is _NOT_JSON:
                         if expect is not None and status < 300:
-                            raise BadReply(shown, status, f"reply is {describe(body, text)}, expected a JSON "
-                                                          f"{'object' if expect is dict else 'list'}")
+                            raise BadReply(
+                                shown,
+                                status,
+                                f"reply is {describe(body, text)}, expected a JSON "
+                                f"{'object' if expect is dict else 'list'}",
+                            )
                         return status, text
                     if expect is not None and status < 300 and not isinstance(body, expect):
-                        raise BadReply(shown, status, f"reply is {describe(body)}, expected a JSON "
-                                                      f"{'object' if expect is dict else 'list'}")
+                        raise BadReply(
+                            shown,
+                            status,
+                            f"reply is {describe(body)}, expected a JSON {'object' if expect is dict else 'list'}",
+                        )
                     return status, body
                 else:
                     msg = server_message(body if body is not _NOT_JSON else None, text)
@@ -328,7 +354,9 @@ class HttpClient:
             delay = min(delay * 2, self.max_backoff)
         raise ServerUnreachable(
             f"{shown}: {last} after {attempts} attempt(s) in {time.monotonic() - t0:.1f} s; check that the "
-            "server is running and reachable, or raise --timeout / --retries", sent=sent)
+            "server is running and reachable, or raise --timeout / --retries",
+            sent=sent,
+        )
 
     def _wait(self, delay: float, cancellable: bool) -> None:
         if self._sleep is not None:
@@ -338,8 +366,9 @@ class HttpClient:
         else:
             time.sleep(delay)
 
-    def _attempt(self, method: str, target: str, data: bytes | None, headers: dict, deadline: float,
-                 cancellable: bool) -> tuple[int, Any, bytes]:
+    def _attempt(
+        self, method: str, target: str, data: bytes | None, headers: dict, deadline: float, cancellable: bool
+    ) -> tuple[int, Any, bytes]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _Attempt("timeout", "no time left", False)
@@ -384,14 +413,18 @@ class HttpClient:
             if cancellable and self.cancelled:
                 raise _Attempt("cancelled", "cancelled", sent) from None
             if fired.is_set() or isinstance(exc, (socket.timeout, TimeoutError)):
-                what = (f"no complete answer within {remaining:.1f} s" if sent
-                        else f"no connection within {remaining:.1f} s")
+                what = (
+                    f"no complete answer within {remaining:.1f} s"
+                    if sent
+                    else f"no connection within {remaining:.1f} s"
+                )
                 raise _Attempt("timeout", what, sent) from None
             if not sent:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc.__class__.__name__
                 raise _Attempt("connection", f"connection failed ({self.clean(reason, 80)})", False) from None
-            raise _Attempt("connection", f"connection broken before a complete answer "
-                                         f"({exc.__class__.__name__})", True) from None
+            raise _Attempt(
+                "connection", f"connection broken before a complete answer ({exc.__class__.__name__})", True
+            ) from None
         finally:
             timer.cancel()
             if cancellable:
@@ -408,11 +441,13 @@ class HttpClient:
                 if len(raw) > MAX_BODY or not d.eof:
                     raise zlib.error("truncated or too large")
             except zlib.error as e:
-                raise BadReply(shown, status, f"reply body is not valid {enc} data "
-                                              f"(Content-Encoding {enc}: {self.clean(e, 80)})") from None
+                raise BadReply(
+                    shown, status, f"reply body is not valid {enc} data (Content-Encoding {enc}: {self.clean(e, 80)})"
+                ) from None
         elif enc not in ("identity", ""):
-            raise BadReply(shown, status, f"reply uses Content-Encoding {self.clean(enc, 40)!r}, which qconvert "
-                                          "does not read")
+            raise BadReply(
+                shown, status, f"reply uses Content-Encoding {self.clean(enc, 40)!r}, which qconvert does not read"
+            )
         text = raw.decode("utf-8", "replace")
         try:
             return json.loads(text), text
@@ -452,9 +487,17 @@ class ServerClient:
 
     RESUME_ROUTE = "/resume"
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 30.0,
-                 reload_timeout: float = 3600.0, retries: int = 3, backoff: float = 0.5,
-                 sleep: Callable[[float], None] | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        reload_timeout: float = 3600.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        sleep: Callable[[float], None] | None = None,
+    ):
         self.http = HttpClient(url, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff, sleep=sleep)
         self.reload_timeout = float(reload_timeout)
 

@@ -48,7 +48,7 @@ def resume_after(client, failure: BaseException | None) -> None:
     try:
         client.resume()
     except QConvertError as err:
-        line = (f"the server may still be paused ({err}); resume it with: {client.resume_command()}")
+        line = f"the server may still be paused ({err}); resume it with: {client.resume_command()}"
         if failure is None:
             raise ReloadError(f"{client.url}: reload done but {line}") from err
         if isinstance(failure, QConvertError):
@@ -60,8 +60,19 @@ def resume_after(client, failure: BaseException | None) -> None:
         failure.args = (f"{failure}; server resumed",)
 
 
-def load_paused(client, path: str, *, pause: str, version: str, t0: float, load, previous: str | None,
-                rollback, not_restored: str, after=None) -> ReloadResult:
+def load_paused(
+    client,
+    path: str,
+    *,
+    pause: str,
+    version: str,
+    t0: float,
+    load,
+    previous: str | None,
+    rollback,
+    not_restored: str,
+    after=None,
+) -> ReloadResult:
     """Pause the server behind ``client``, run ``load()`` (which loads ``path``), then ``after()``
     if given, and resume the server on every path (:func:`resume_after`); return the filled result
     (``t0``: ``time.perf_counter()`` when this server's reload began).
@@ -97,10 +108,16 @@ def load_paused(client, path: str, *, pause: str, version: str, t0: float, load,
                 except QConvertError as err2:
                     rollback_error = f"rollback to {clean(previous, 200)} failed too: {err2}; "
             res.rolled_back = rolled
-            tail = (f"rolled back to {clean(previous, 200)}" if rolled else
-                    "interrupted; the server may still finish loading it" if client.http.cancelled else
-                    "no answer: the server may still be loading it, or be down; check it, then reload a good "
-                    "checkpoint" if no_answer else not_restored)
+            tail = (
+                f"rolled back to {clean(previous, 200)}"
+                if rolled
+                else "interrupted; the server may still finish loading it"
+                if client.http.cancelled
+                else "no answer: the server may still be loading it, or be down; check it, then reload a good "
+                "checkpoint"
+                if no_answer
+                else not_restored
+            )
             raise ReloadError(f"{client.url}: reload of {path} failed: {server_msg} ({rollback_error}{tail})") from err
         if after is not None:
             after()
@@ -123,8 +140,13 @@ def drop_staged(name: str) -> None:
     try:
         staging.drop_area(name)
     except (OSError, QConvertError) as e:
-        log.warning("could not remove the staging area %s/%s (%s); remove it with: qconvert stage drop %s",
-                    staging.staging_root(), name, clean(e, 200), name)
+        log.warning(
+            "could not remove the staging area %s/%s (%s); remove it with: qconvert stage drop %s",
+            staging.staging_root(),
+            name,
+            clean(e, 200),
+            name,
+        )
 
 
 def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
@@ -137,8 +159,10 @@ def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[
         fmt.check_name(s[4:])
         root = fmt.staging_root() / s[4:]
         if os.path.islink(root):
-            raise fmt.StagingError(f"{root}: is a symbolic link, not a staging area; qconvert does not follow links "
-                                   "in the staging root (move the link away)")
+            raise fmt.StagingError(
+                f"{root}: is a symbolic link, not a staging area; qconvert does not follow links "
+                "in the staging root (move the link away)"
+            )
         if os.path.lexists(root / fmt.AREA_JSON):  # version 2 (a refit's): the committed view, checked
             return str(root), fmt.read_area(root).contract, None
         area = open_area(s[4:])
@@ -147,8 +171,10 @@ def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[
     if fmt.is_area(p):  # a staging area named by its path (a refit's): read where it is, never restaged
         return str(p.resolve()), fmt.read_area(p).contract, None
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise QConvertError(f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
-                            "(the server must see the same path)")
+        raise QConvertError(
+            f"{p}: not a checkpoint directory with config.json; pass the converted checkpoint "
+            "(the server must see the same path)"
+        )
     if via == "disk":
         return str(p.resolve()), None, None
     if via != "shm":
@@ -214,9 +240,12 @@ def fan_out(clients, fn) -> tuple[list, list[str]]:
             pending = [c for c, ev in zip(clients, done) if not ev.is_set()]
             raise ReloadInterrupted(
                 "interrupted twice; not waiting for " + ", ".join(c.url for c in pending) + " to resume: each may "
-                "still be paused; resume with: " + " ; ".join(c.resume_command() for c in pending)) from None
-        lines = [e if e else f"{c.url}: {'reloaded' if r is not None else f'interrupted ({clean(x, 200)})'}"
-                 for c, r, e, x in zip(clients, results, errors, fatal)]
+                "still be paused; resume with: " + " ; ".join(c.resume_command() for c in pending)
+            ) from None
+        lines = [
+            e if e else f"{c.url}: {'reloaded' if r is not None else f'interrupted ({clean(x, 200)})'}"
+            for c, r, e, x in zip(clients, results, errors, fatal)
+        ]
         raise ReloadInterrupted("interrupted (Ctrl-C): " + "; ".join(lines)) from None
     for e in fatal:
         if e is not None:

@@ -83,18 +83,23 @@ class SglangClient(ServerClient):
         self.http.post(self.RESUME_ROUTE, {}, retries=max(self.http.retries, 5), cancellable=False)
 
     def resume_command(self) -> str:
-        return super().resume_command().replace("curl -X POST", "curl -X POST -H 'Content-Type: application/json' "
-                                                "-d '{}'", 1)
+        return (
+            super()
+            .resume_command()
+            .replace("curl -X POST", "curl -X POST -H 'Content-Type: application/json' -d '{}'", 1)
+        )
 
-    def update_weights_from_disk(self, path: str, *, flush_cache: bool = True, weight_version: str | None = None,
-                                 load_format: str | None = None) -> dict:
+    def update_weights_from_disk(
+        self, path: str, *, flush_cache: bool = True, weight_version: str | None = None, load_format: str | None = None
+    ) -> dict:
         body: dict = {"model_path": str(path), "flush_cache": flush_cache, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = weight_version
         if load_format is not None:
             body["load_format"] = load_format
-        status, out = self.http.request("POST", "/update_weights_from_disk", json_body=body,
-                                        timeout=self.reload_timeout, ok_status=(400,))
+        status, out = self.http.request(
+            "POST", "/update_weights_from_disk", json_body=body, timeout=self.reload_timeout, ok_status=(400,)
+        )
         return self._success(out, status, "/update_weights_from_disk")
 
     def _success(self, out, status: int, route: str) -> dict:
@@ -106,13 +111,17 @@ class SglangClient(ServerClient):
         return out
 
     def weights_checksum(self) -> dict:
-        status, out = self.http.request("POST", "/weights_checker", json_body={"action": "checksum"},
-                                        timeout=self.reload_timeout, ok_status=(400,))
+        status, out = self.http.request(
+            "POST", "/weights_checker", json_body={"action": "checksum"}, timeout=self.reload_timeout, ok_status=(400,)
+        )
         return self._success(out, status, "/weights_checker")
 
     def generate(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
-        out = self.http.post("/generate", {"text": prompt, "sampling_params": {
-            "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}, timeout=self.reload_timeout)
+        out = self.http.post(
+            "/generate",
+            {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}},
+            timeout=self.reload_timeout,
+        )
         if isinstance(out, list) and out:
             out = out[0]
         return reply_field(self.http, "/generate", out, "text", types=str)
@@ -129,10 +138,12 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
         from qconvert.formats import staging as fmt
 
         if os.path.lexists(Path(path) / fmt.AREA_JSON):  # a version 2 area (a refit's): its committed slot,
-            with fmt.committed(Path(path)) as view:      # which no refit overwrites while SGLang reads it
+            with fmt.committed(Path(path)) as view:  # which no refit overwrites while SGLang reads it
                 if any(f.rank is not None for f in view.files):
-                    raise ReloadError(f"{client.url}: {path} holds per-rank (pre-shuffled) files, which SGLang "
-                                      "cannot load; refit without a layout for SGLang")
+                    raise ReloadError(
+                        f"{client.url}: {path} holds per-rank (pre-shuffled) files, which SGLang "
+                        "cannot load; refit without a layout for SGLang"
+                    )
                 out = client.update_weights_from_disk(str(view.directory), flush_cache=flush, weight_version=version)
         else:
             out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
@@ -141,31 +152,55 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     def restore(prev: str) -> None:
         client.update_weights_from_disk(prev, flush_cache=flush, weight_version=info.get("weight_version"))
 
-    return load_paused(client, path, pause=pause, version=version, t0=t0, load=load,
-                       previous=previous if previous != path else None, rollback=restore,
-                       not_restored="previous weights not restored; reload a good checkpoint or restart the server")
+    return load_paused(
+        client,
+        path,
+        pause=pause,
+        version=version,
+        t0=t0,
+        load=load,
+        previous=previous if previous != path else None,
+        rollback=restore,
+        not_restored="previous weights not restored; reload a good checkpoint or restart the server",
+    )
 
 
-def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "retract",
-                  weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
-                  stage_name: str | None = None, timeout: float = 30.0, reload_timeout: float = 3600.0,
-                  retries: int = 3, keep_staged: bool = False, client_factory=None) -> list[ReloadResult]:
+def reload_sglang(
+    urls: list[str],
+    ckpt: str | os.PathLike,
+    *,
+    via: str = "disk",
+    pause: str = "retract",
+    weight_version: str | None = None,
+    api_key: str | None = None,
+    verify: bool = False,
+    stage_name: str | None = None,
+    timeout: float = 30.0,
+    reload_timeout: float = 3600.0,
+    retries: int = 3,
+    keep_staged: bool = False,
+    client_factory=None,
+) -> list[ReloadResult]:
     """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently).
     ``via``, ``keep_staged``, ``timeout`` and ``reload_timeout`` as for :func:`reload_vllm`."""
     from qconvert.client.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for SGLang; use one of {', '.join(PAUSE_MODES)}")
-    make = client_factory or (lambda u: SglangClient(u, api_key=api_key, timeout=timeout,
-                                                     reload_timeout=reload_timeout, retries=retries))
+    make = client_factory or (
+        lambda u: SglangClient(u, api_key=api_key, timeout=timeout, reload_timeout=reload_timeout, retries=retries)
+    )
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
     # a staging area's data digests are recomputed only with --verify (as for vLLM)
-    path, _, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint,
-                                     lambda name: open_area(name, verify_data=verify))
+    path, _, staged = resolve_source(
+        ckpt, via, stage_name, stage_checkpoint, lambda name: open_area(name, verify_data=verify)
+    )
     try:
         if read_layout(Path(path)) is not None:
-            raise QConvertError(f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
-                                "SGLang (its update paths re-run weight processing); reload the plain checkpoint")
+            raise QConvertError(
+                f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
+                "SGLang (its update paths re-run weight processing); reload the plain checkpoint"
+            )
         version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
         flush = pause != "in_place"
         results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
@@ -180,8 +215,7 @@ def reload_sglang(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk"
             if len(set(sums.values())) > 1:
                 raise ReloadError(f"--verify: replicas report different weight checksums: {clean(sums)}")
             if len(set(texts.values())) > 1:
-                raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: "
-                                  f"{clean(texts)}")
+                raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {clean(texts)}")
             for r in results:
                 r.verify = {"greedy_text": next(iter(texts.values()), None)}
     finally:

@@ -83,8 +83,9 @@ def dtype_tag(dtype: torch.dtype) -> str:
         raise StagingError(f"dtype {dtype} cannot be staged as safetensors") from None
 
 
-def layout_contract(config: dict, tensors: Iterable[tuple[str, str, Iterable[int]]],
-                    layout: dict | None = None) -> dict:
+def layout_contract(
+    config: dict, tensors: Iterable[tuple[str, str, Iterable[int]]], layout: dict | None = None
+) -> dict:
     """What must be identical between the serving checkpoint and every reloaded one.
 
     ``tensors``: (name, safetensors dtype tag, shape). Weights may differ; names, dtypes, shapes,
@@ -195,8 +196,16 @@ class StagingWriter:
     Use as a context manager: an exception removes the partial area.
     """
 
-    def __init__(self, name: str, *, root: Path | None = None, source: str = "",
-                 config: dict | None = None, replace: bool = True, layout: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        root: Path | None = None,
+        source: str = "",
+        config: dict | None = None,
+        replace: bool = True,
+        layout: dict | None = None,
+    ):
         _check_name(name)
         self.name = name
         self.root = Path(root) if root is not None else staging_root()
@@ -246,8 +255,9 @@ class StagingWriter:
             f.write(data)
         self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    def add_group(self, tensors: list[tuple[str, str, tuple[int, ...], object]],
-                  rank: tuple[int, int] | None = None) -> None:
+    def add_group(
+        self, tensors: list[tuple[str, str, tuple[int, ...], object]], rank: tuple[int, int] | None = None
+    ) -> None:
         """Write one group: (name, dtype tag, shape, data) where data is a torch.Tensor or bytes-like.
 
         All tensors of a decoder layer must be passed in one call, or, for a pre-shuffled layer,
@@ -274,8 +284,11 @@ class StagingWriter:
                 raise StagingError(f"tensor {name!r}: {buf.nbytes} bytes do not match {tag} {list(shape)}")
             by_name[name] = (tag, tuple(int(s) for s in shape), buf)
         for k, names in enumerate(_pack([(n, by_name[n][2].nbytes) for n in by_name])):
-            fname = (f"g{gidx:05d}-{k:02d}.safetensors" if rank is None else
-                     f"g{gidx:05d}-tp{rank[0]}-ep{rank[1]}-{k:02d}.safetensors")
+            fname = (
+                f"g{gidx:05d}-{k:02d}.safetensors"
+                if rank is None
+                else f"g{gidx:05d}-tp{rank[0]}-ep{rank[1]}-{k:02d}.safetensors"
+            )
             specs = [(n, by_name[n][0], by_name[n][1], by_name[n][2].nbytes) for n in names]
             head, offs = _header_bytes(specs)
             h = hashlib.sha256(head)
@@ -286,18 +299,28 @@ class StagingWriter:
                     f.write(buf)
                     h.update(buf)
                     tag, shape, _ = by_name[n]
-                    self.tensors[n] = {"file": fname, "offset": len(head) + off, "nbytes": buf.nbytes,
-                                       "dtype": tag, "shape": list(shape), "group": gidx}
+                    self.tensors[n] = {
+                        "file": fname,
+                        "offset": len(head) + off,
+                        "nbytes": buf.nbytes,
+                        "dtype": tag,
+                        "shape": list(shape),
+                        "group": gidx,
+                    }
                     self.weight_map[n] = fname
                 size = f.tell()
-            self.files[fname] = {"size": size, "sha256": h.hexdigest(),
-                                 "rank": None if rank is None else [int(rank[0]), int(rank[1])]}
+            self.files[fname] = {
+                "size": size,
+                "sha256": h.hexdigest(),
+                "rank": None if rank is None else [int(rank[0]), int(rank[1])],
+            }
 
     def commit(self) -> StagingArea:
         if self.config is None:
             raise StagingError("staging needs the checkpoint's config.json")
-        contract = layout_contract(self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()),
-                                   self.layout)
+        contract = layout_contract(
+            self.config, ((n, t["dtype"], t["shape"]) for n, t in self.tensors.items()), self.layout
+        )
         if "config.json" not in self.files:
             self.add_file("config.json", json.dumps(self.config, indent=2).encode())
         total = sum(t["nbytes"] for t in self.tensors.values())
@@ -378,6 +401,7 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
                     fd = fds.get(path)
                     if fd is None:  # shard_files guarded the path; open_member refuses a FIFO swapped in since
                         from qconvert.convert.checkpoint import open_member
+
                         f = open_member(src, path)
                         fd = fds[path] = os.dup(f.fileno())
                         f.close()
@@ -390,8 +414,12 @@ def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = 
             for fd in fds.values():
                 os.close(fd)
         for p in sorted(src.iterdir()):
-            if p.name not in _SKIP_FILES and p.suffix in _COPY_SUFFIXES and not p.name.startswith(".") \
-                    and not p.is_dir():
+            if (
+                p.name not in _SKIP_FILES
+                and p.suffix in _COPY_SUFFIXES
+                and not p.name.startswith(".")
+                and not p.is_dir()
+            ):
                 w.add_file(p.name, read_member(src, p))
         return w.commit()
 
@@ -427,8 +455,9 @@ class StagingArea:
             )
 
 
-def open_area(name: str, *, root: Path | None = None, expected_contract: dict | None = None,
-              verify_data: bool = True) -> StagingArea:
+def open_area(
+    name: str, *, root: Path | None = None, expected_contract: dict | None = None, verify_data: bool = True
+) -> StagingArea:
     """Open and check a staging area; refuse it on any mismatch (see module docstring)."""
     _check_name(name)
     path = (Path(root) if root is not None else staging_root()) / name
@@ -443,8 +472,10 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
     except (ValueError, UnicodeDecodeError):
         raise StagingError(f"{mpath}: not valid JSON; drop and restage {name}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise StagingError(f"{mpath}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
-                           f"restage {name} with this qconvert")
+        raise StagingError(
+            f"{mpath}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
+            f"restage {name} with this qconvert"
+        )
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     if manifest.get("manifest_sha256") != _manifest_digest(body):
         raise StagingError(f"{mpath}: manifest checksum mismatch (edited or corrupt); drop and restage {name}")
@@ -452,8 +483,10 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
     listed = set(manifest["files"])
     if on_disk != listed:
         extra, missing = sorted(on_disk - listed), sorted(listed - on_disk)
-        raise StagingError(f"staging area {path}: files differ from the manifest (extra {extra}, missing {missing}); "
-                           f"drop and restage {name}")
+        raise StagingError(
+            f"staging area {path}: files differ from the manifest (extra {extra}, missing {missing}); "
+            f"drop and restage {name}"
+        )
     for t, spec in manifest["tensors"].items():
         if spec["offset"] % manifest.get("alignment", ALIGN) or spec["offset"] % ALIGN:
             raise StagingError(f"staging area {path}: tensor {t!r} is not {ALIGN}-byte aligned; restage {name}")
@@ -461,7 +494,9 @@ def open_area(name: str, *, root: Path | None = None, expected_contract: dict | 
         fp = path / fname
         _check_private(fp)
         if fp.stat().st_size != spec["size"]:
-            raise StagingError(f"{fp}: size {fp.stat().st_size} != manifest {spec['size']} (truncated?); restage {name}")
+            raise StagingError(
+                f"{fp}: size {fp.stat().st_size} != manifest {spec['size']} (truncated?); restage {name}"
+            )
         if verify_data and sha256_file(fp) != spec["sha256"]:
             raise StagingError(f"{fp}: checksum mismatch with the manifest (modified or corrupt); restage {name}")
     area = StagingArea(path, manifest)
@@ -477,10 +512,10 @@ def _check_private(p: Path, is_dir: bool = False) -> None:
         raise StagingError(f"{p}: owned by uid {st.st_uid}, not you; refusing it")
     want = 0o700 if is_dir else 0o600
     if stat.S_IMODE(st.st_mode) != want:
-        raise StagingError(f"{p}: mode {oct(stat.S_IMODE(st.st_mode))}, expected {oct(want)}; "
-                           "another user may have changed it; drop and restage")
-
-
+        raise StagingError(
+            f"{p}: mode {oct(stat.S_IMODE(st.st_mode))}, expected {oct(want)}; "
+            "another user may have changed it; drop and restage"
+        )
 
 
 def list_areas(root: Path | None = None) -> list[dict]:
@@ -492,27 +527,51 @@ def list_areas(root: Path | None = None) -> list[dict]:
     for p in sorted(r.iterdir()):
         left = _leftover_of(p.name)
         if left is not None:
-            out.append({"name": left, "bytes": None, "source": "", "created": None, "ok": False,
-                        "problem": _leftover_problem(p, left)})
+            out.append(
+                {
+                    "name": left,
+                    "bytes": None,
+                    "source": "",
+                    "created": None,
+                    "ok": False,
+                    "problem": _leftover_problem(p, left),
+                }
+            )
             continue
         if p.name.startswith(".") or not (p.is_dir() or p.is_symlink()):
             continue
         if not p.is_symlink() and os.path.lexists(p / fs.AREA_JSON):  # a refit area (version 2)
             try:
                 v = fs.read_area(p)
-                out.append({"name": p.name, "bytes": 2 * v.nbytes, "source": f"refit, version {v.version}",
-                            "created": None, "ok": True, "problem": ""})
+                out.append(
+                    {
+                        "name": p.name,
+                        "bytes": 2 * v.nbytes,
+                        "source": f"refit, version {v.version}",
+                        "created": None,
+                        "ok": True,
+                        "problem": "",
+                    }
+                )
             except QConvertError as e:
-                out.append({"name": p.name, "bytes": None, "source": "refit", "created": None, "ok": False,
-                            "problem": str(e)})
+                out.append(
+                    {"name": p.name, "bytes": None, "source": "refit", "created": None, "ok": False, "problem": str(e)}
+                )
             continue
         try:
             a = open_area(p.name, root=r, verify_data=False)
-            out.append({"name": p.name, "bytes": a.nbytes, "source": a.manifest.get("source", ""),
-                        "created": a.manifest.get("created"), "ok": True, "problem": ""})
+            out.append(
+                {
+                    "name": p.name,
+                    "bytes": a.nbytes,
+                    "source": a.manifest.get("source", ""),
+                    "created": a.manifest.get("created"),
+                    "ok": True,
+                    "problem": "",
+                }
+            )
         except QConvertError as e:
-            out.append({"name": p.name, "bytes": None, "source": "", "created": None, "ok": False,
-                        "problem": str(e)})
+            out.append({"name": p.name, "bytes": None, "source": "", "created": None, "ok": False, "problem": str(e)})
     return out
 
 
@@ -565,19 +624,21 @@ def _being_written(p: Path) -> bool:
 def _leftover_problem(p: Path, name: str) -> str:
     if p.name.startswith(_TMP_PREFIX.format(name=name)) and _being_written(p):
         return f"incomplete: being written by a running `qconvert stage` ({p})"
-    return (f"incomplete: {p} was left by an interrupted `qconvert stage`; "
-            f"`qconvert stage drop {name}` removes it")
+    return f"incomplete: {p} was left by an interrupted `qconvert stage`; `qconvert stage drop {name}` removes it"
 
 
 def _check_root(r: Path) -> None:
     """The staging root must be a directory of the caller's, not a link (``/dev/shm`` is shared)."""
     st = os.lstat(r)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise StagingError(f"{r}: the staging root is not a plain directory (a symbolic link?); "
-                           "qconvert does not follow it: move it away or set QCONVERT_SHM_ROOT")
+        raise StagingError(
+            f"{r}: the staging root is not a plain directory (a symbolic link?); "
+            "qconvert does not follow it: move it away or set QCONVERT_SHM_ROOT"
+        )
     if st.st_uid != os.getuid():
-        raise StagingError(f"{r}: the staging root is owned by uid {st.st_uid}, not you; "
-                           "set QCONVERT_SHM_ROOT to a directory of yours")
+        raise StagingError(
+            f"{r}: the staging root is owned by uid {st.st_uid}, not you; set QCONVERT_SHM_ROOT to a directory of yours"
+        )
 
 
 def _refuse_link(p: Path) -> None:
@@ -586,8 +647,10 @@ def _refuse_link(p: Path) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
-        raise StagingError(f"{p}: is a symbolic link, not a staging area; qconvert does not follow links "
-                           "in the staging root (move the link away)")
+        raise StagingError(
+            f"{p}: is a symbolic link, not a staging area; qconvert does not follow links "
+            "in the staging root (move the link away)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise StagingError(f"{p}: is not a directory, so not a staging area; move it away")
 
@@ -602,8 +665,9 @@ def _refuse_link(p: Path) -> None:
 PART_BYTES = 128 << 20
 
 
-def pack_v2(group: int, rank: tuple[int, int] | None,
-            tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[fs.FileSpec, bytes]]:
+def pack_v2(
+    group: int, rank: tuple[int, int] | None, tensors: list[tuple[str, str, tuple[int, ...]]]
+) -> list[tuple[fs.FileSpec, bytes]]:
     """The files of one (group, rank): (FileSpec, header bytes). Tensors whose size is a multiple of
     256 (each 256-aligned), in files of at most :data:`PART_BYTES`, the last of which then takes
     those under 256 bytes by falling element size (each at a multiple of its element size); any
@@ -611,8 +675,9 @@ def pack_v2(group: int, rank: tuple[int, int] | None,
     size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in tensors}
     meta = {n: (tag, tuple(int(x) for x in shape)) for n, tag, shape in tensors}
     even = sorted(n for n in size if size[n] % ALIGN == 0)
-    tiny = sorted((n for n in size if size[n] < ALIGN and size[n] % ALIGN),
-                  key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n))
+    tiny = sorted(
+        (n for n in size if size[n] < ALIGN and size[n] % ALIGN), key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n)
+    )
     odd = sorted(n for n in size if size[n] % ALIGN and size[n] >= ALIGN)
     parts: list[list[str]] = [[]]
     filled = 0
@@ -628,13 +693,15 @@ def pack_v2(group: int, rank: tuple[int, int] | None,
     for part, names in enumerate(parts):
         head, offs = _header_bytes([(n, *meta[n], size[n]) for n in names], fs.FORMAT_V2)
         specs = {n: fs.TensorSpec(meta[n][0], meta[n][1], len(head) + off) for n, off in zip(names, offs)}
-        out.append((fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank,
-                                specs), head))
+        out.append(
+            (fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank, specs), head)
+        )
     return out
 
 
-def create_area_v2(name: str, spec: fs.AreaSpec, headers: dict[str, bytes], extra: dict[str, bytes], *,
-                   root: Path | None = None) -> Path:
+def create_area_v2(
+    name: str, spec: fs.AreaSpec, headers: dict[str, bytes], extra: dict[str, bytes], *, root: Path | None = None
+) -> Path:
     """Create the area ``name`` (both slots' files at full size with their headers, area.json, the
     extra files) in a hidden directory, renamed into place when complete. Nothing is committed."""
     _check_name(name)
@@ -663,8 +730,10 @@ def create_area_v2(name: str, spec: fs.AreaSpec, headers: dict[str, bytes], extr
         try:
             os.rename(tmp, final)  # an existing non-empty area makes this fail: never replaced
         except OSError:
-            raise StagingError(f"staging area {final} appeared while it was being created; another trainer "
-                               "creates it: pass rank/world_size to every trainer rank") from None
+            raise StagingError(
+                f"staging area {final} appeared while it was being created; another trainer "
+                "creates it: pass rank/world_size to every trainer rank"
+            ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -701,8 +770,10 @@ class SlotMaps:
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != self.sizes[fname] or st.st_uid != os.getuid():
-                    raise StagingError(f"{p}: not the file area.json describes (size {st.st_size}, want "
-                                       f"{self.sizes[fname]}); drop the staging area and refit again")
+                    raise StagingError(
+                        f"{p}: not the file area.json describes (size {st.st_size}, want "
+                        f"{self.sizes[fname]}); drop the staging area and refit again"
+                    )
                 mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -711,8 +782,10 @@ class SlotMaps:
             if self.cuda:
                 rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
                 if int(getattr(rc, "value", rc)) != 0:
-                    raise StagingError(f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
-                                       "raise the locked-memory limit (ulimit -l) or stage with device='cpu'")
+                    raise StagingError(
+                        f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
+                        "raise the locked-memory limit (ulimit -l) or stage with device='cpu'"
+                    )
                 registered = True
             self._maps[(slot, fname)] = (mm, t, registered)
 

@@ -64,8 +64,15 @@ from qconvert.client.reload import (
 from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC, STAGED_RPC
 from qconvert.errors import QConvertError
 
-__all__ = ["VllmClient", "reload_vllm", "verify_servers", "ReloadError", "ReloadInterrupted", "ReloadResult",
-           "EXTENSION_FLAG"]
+__all__ = [
+    "VllmClient",
+    "reload_vllm",
+    "verify_servers",
+    "ReloadError",
+    "ReloadInterrupted",
+    "ReloadResult",
+    "EXTENSION_FLAG",
+]
 
 log = logging.getLogger("qconvert.reload")
 
@@ -116,8 +123,10 @@ class VllmClient(ServerClient):
     def check_dev_mode(self) -> None:
         status, _ = self.http.request("GET", "/is_paused", ok_status=(404,))
         if status == 404:
-            raise ReloadError(f"{self.url}: the server has no /pause, /resume or /collective_rpc routes "
-                              f"(not in dev mode); {DEV_MODE_FIX}")
+            raise ReloadError(
+                f"{self.url}: the server has no /pause, /resume or /collective_rpc routes "
+                f"(not in dev mode); {DEV_MODE_FIX}"
+            )
 
     def is_paused(self) -> bool:
         body = self.http.get("/is_paused", expect=dict)
@@ -138,10 +147,12 @@ class VllmClient(ServerClient):
         if status == 404:
             # an older vLLM in dev mode (0.26.0 has /pause and /collective_rpc but no weight
             # versions, docs/reload.md#vllm-weight-versions): refuse before pausing anything
-            raise ReloadError(f"{self.url}: the server has no /weight_info route (vLLM {self.version()}); "
-                              "qconvert reload records which checkpoint a server serves by its weight version "
-                              f"and needs a vLLM that has them ({', '.join(SUPPORTED_VLLM_VERSIONS)}): "
-                              "upgrade the server's vLLM")
+            raise ReloadError(
+                f"{self.url}: the server has no /weight_info route (vLLM {self.version()}); "
+                "qconvert reload records which checkpoint a server serves by its weight version "
+                f"and needs a vLLM that has them ({', '.join(SUPPORTED_VLLM_VERSIONS)}): "
+                "upgrade the server's vLLM"
+            )
         return str(reply_field(self.http, "/weight_info", body, "weight_version", types=(str, int, type(None))))
 
     def set_weight_version(self, version: str) -> None:
@@ -154,8 +165,12 @@ class VllmClient(ServerClient):
 
     def complete(self, prompt: str, max_tokens: int = VERIFY_TOKENS) -> str:
         model, _ = self.served_model()
-        body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0.0}, timeout=self.reload_timeout, expect=dict)
+        body = self.http.post(
+            "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
+            timeout=self.reload_timeout,
+            expect=dict,
+        )
         return reply_field(self.http, "/v1/completions", body, "choices", 0, "text", types=str)
 
     # ---- control
@@ -178,15 +193,21 @@ class VllmClient(ServerClient):
 
     def reload_weights(self, path: str) -> None:
         """``reload_weights`` on every worker, checkpoint format. Raises ServerError with the server's text."""
-        body = {"method": "reload_weights",
-                "kwargs": {"weights_path": str(path), "is_checkpoint_format": True},
-                "timeout": self._rpc_timeout()}
+        body = {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": str(path), "is_checkpoint_format": True},
+            "timeout": self._rpc_timeout(),
+        }
         # a retried reload re-reads the same files: idempotent
         self.http.post("/collective_rpc", body, timeout=self.reload_timeout)
 
     def collective_rpc(self, method: str, **kwargs) -> list:
-        status, body = self.http.request("POST", "/collective_rpc", json_body={
-            "method": method, "kwargs": kwargs, "timeout": self._rpc_timeout()}, timeout=self.reload_timeout)
+        status, body = self.http.request(
+            "POST",
+            "/collective_rpc",
+            json_body={"method": method, "kwargs": kwargs, "timeout": self._rpc_timeout()},
+            timeout=self.reload_timeout,
+        )
         if body == "":  # vLLM answers an empty 200 when every worker returned None
             return []
         return reply_field(self.http, "/collective_rpc", body, "results", types=list)
@@ -212,8 +233,9 @@ class VllmClient(ServerClient):
         if status == 200 and not isinstance(body, (dict, list)):
             raise ServerError(self.url + "/server_info", status, "reply is not JSON")
         text = json.dumps(body)
-        return status == 200 and ("device_config=cpu" in text or '"device_type": "cpu"' in text
-                                  or '"device": "cpu"' in text)
+        return status == 200 and (
+            "device_config=cpu" in text or '"device_type": "cpu"' in text or '"device": "cpu"' in text
+        )
 
     def current_weights(self, rollback: str | None = None) -> str | None:
         """Path of the checkpoint the server serves now (see module docstring), or None."""
@@ -284,8 +306,10 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
         if not want or seen == 0:
             raise ReloadError(f"{c.url}: --verify found no norm weights to compare with {ckpt}")
         if bad:
-            raise ReloadError(f"{c.url}: --verify: {len(bad)} weights differ from {ckpt} after the reload "
-                              f"(e.g. {clean(bad[0], 120)}); the server did not load the new checkpoint")
+            raise ReloadError(
+                f"{c.url}: --verify: {len(bad)} weights differ from {ckpt} after the reload "
+                f"(e.g. {clean(bad[0], 120)}); the server did not load the new checkpoint"
+            )
         texts[c.url] = c.complete(VERIFY_PROMPT)
     if len(set(texts.values())) > 1:
         raise ReloadError(f"--verify: replicas disagree on the greedy prompt {VERIFY_PROMPT!r}: {clean(texts)}")
@@ -295,9 +319,17 @@ def verify_servers(clients: list[VllmClient], ckpt: str) -> dict:
 # ------------------------------------------------------------------------------- reload
 
 
-def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollback: str | None,
-                expected_contract: dict | None, check_contract: bool, record_as: str | None = None,
-                verify: bool = False) -> ReloadResult:
+def _reload_one(
+    client: VllmClient,
+    path: str,
+    pause: str,
+    version: str,
+    rollback: str | None,
+    expected_contract: dict | None,
+    check_contract: bool,
+    record_as: str | None = None,
+    verify: bool = False,
+) -> ReloadResult:
     import time
 
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
@@ -307,15 +339,18 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
     client.check_dev_mode()
     ver = client.version()
     if ver not in SUPPORTED_VLLM_VERSIONS:
-        log.warning("%s runs vLLM %s; qconvert reload is tested with %s", client.url, ver,
-                    ", ".join(SUPPORTED_VLLM_VERSIONS))
+        log.warning(
+            "%s runs vLLM %s; qconvert reload is tested with %s", client.url, ver, ", ".join(SUPPORTED_VLLM_VERSIONS)
+        )
     config = read_config(path)  # guarded, as every checkpoint read
     repack = False
     if _is_moe(config) and client.is_cpu():
         if not client.has_extension():
-            raise ReloadError(f"{client.url}: vLLM's CPU build leaves MoE experts unprepared after reload_weights "
-                              f"(wrong outputs); restart the server with {EXTENSION_FLAG} so qconvert can "
-                              "prepack them after the reload")
+            raise ReloadError(
+                f"{client.url}: vLLM's CPU build leaves MoE experts unprepared after reload_weights "
+                f"(wrong outputs); restart the server with {EXTENSION_FLAG} so qconvert can "
+                "prepack them after the reload"
+            )
         repack = True
     preflight(client, path)
     previous = client.current_weights(rollback)
@@ -328,13 +363,16 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
         if have is not None and (diff := contract_mismatch(want, have)):
             if expected_contract is None:  # name the exact difference when both are directories
                 from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
+
                 try:
                     check_reload_compatible(previous, path)
                 except ReloadIncompatible as e:
                     raise ReloadError(f"{client.url}: {e}") from None
-            raise ReloadError(f"{client.url}: {path} does not match the layout of the served checkpoint "
-                              f"{clean(previous, 200)} ({', '.join(diff)} differ); convert it with the same options "
-                              "or restart the server on it")
+            raise ReloadError(
+                f"{client.url}: {path} does not match the layout of the served checkpoint "
+                f"{clean(previous, 200)} ({', '.join(diff)} differ); convert it with the same options "
+                "or restart the server on it"
+            )
 
     def restore(prev: str) -> None:
         if repack or client.has_extension():
@@ -350,20 +388,41 @@ def _reload_one(client: VllmClient, path: str, pause: str, version: str, rollbac
         _state_record(client.url, version, str(record_as or path))
 
     loaded: list = []  # the workers' load statistics of a staging area
-    res = load_paused(client, path, pause=pause, version=version, t0=t0,
-                      load=lambda: loaded.extend(reload_checkpoint(client, path, verify=verify)),
-                      previous=previous, rollback=restore,
-                      not_restored="could not restore the previous weights; the server's weights are undefined, "
-                                   "reload a good checkpoint or restart it", after=after)
+    res = load_paused(
+        client,
+        path,
+        pause=pause,
+        version=version,
+        t0=t0,
+        load=lambda: loaded.extend(reload_checkpoint(client, path, verify=verify)),
+        previous=previous,
+        rollback=restore,
+        not_restored="could not restore the previous weights; the server's weights are undefined, "
+        "reload a good checkpoint or restart it",
+        after=after,
+    )
     res.load = loaded
     return res
 
 
-def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", pause: str = "wait",
-                weight_version: str | None = None, api_key: str | None = None, verify: bool = False,
-                stage_name: str | None = None, rollback: str | None = None, check_contract: bool = True,
-                timeout: float = 30.0, reload_timeout: float = 3600.0, retries: int = 3,
-                keep_staged: bool = False, client_factory=None) -> list[ReloadResult]:
+def reload_vllm(
+    urls: list[str],
+    ckpt: str | os.PathLike,
+    *,
+    via: str = "disk",
+    pause: str = "wait",
+    weight_version: str | None = None,
+    api_key: str | None = None,
+    verify: bool = False,
+    stage_name: str | None = None,
+    rollback: str | None = None,
+    check_contract: bool = True,
+    timeout: float = 30.0,
+    reload_timeout: float = 3600.0,
+    retries: int = 3,
+    keep_staged: bool = False,
+    client_factory=None,
+) -> list[ReloadResult]:
     """Reload ``ckpt`` into every server in ``urls`` (data-parallel replicas, concurrently).
 
     ``via="shm"`` stages the checkpoint in ``/dev/shm/qconvert/NAME`` first (NAME: ``stage_name``
@@ -377,18 +436,22 @@ def reload_vllm(urls: list[str], ckpt: str | os.PathLike, *, via: str = "disk", 
 
     if pause not in PAUSE_MODES:
         raise QConvertError(f"--pause {pause!r} is not valid for vLLM; use one of {', '.join(PAUSE_MODES)}")
-    make = client_factory or (lambda u: VllmClient(u, api_key=api_key, timeout=timeout,
-                                                   reload_timeout=reload_timeout, retries=retries))
+    make = client_factory or (
+        lambda u: VllmClient(u, api_key=api_key, timeout=timeout, reload_timeout=reload_timeout, retries=retries)
+    )
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
     # a staging area's data digests are checked only with --verify (by the worker that maps it, and here)
-    path, contract, staged = resolve_source(ckpt, via, stage_name, stage_checkpoint,
-                                            lambda name: open_area(name, verify_data=verify))
+    path, contract, staged = resolve_source(
+        ckpt, via, stage_name, stage_checkpoint, lambda name: open_area(name, verify_data=verify)
+    )
     # a staging area removed after the reload cannot be a later rollback target: record the source
     record_as = str(Path(ckpt).resolve()) if staged and not keep_staged else None
     version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
     try:
-        results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, rollback, contract,
-                                                                  check_contract, record_as, verify))
+        results, errors = fan_out(
+            clients,
+            lambda c: _reload_one(c, path, pause, version, rollback, contract, check_contract, record_as, verify),
+        )
         if errors:
             raise ReloadError("; ".join(errors))
         if verify:
@@ -420,8 +483,10 @@ def reload_checkpoint(client, path: str | Path, verify: bool = False) -> list:
             return client.collective_rpc(STAGED_RPC, area=str(path), verify=bool(verify))
         with fmt.committed(Path(path)) as view:  # the writer waits while the server reads this slot
             if any(f.rank is not None for f in view.files):
-                raise ReloadError(f"{client.url}: {path} holds per-rank files, which only qconvert's worker "
-                                  f"extension reads; restart the server with {EXTENSION_FLAG}")
+                raise ReloadError(
+                    f"{client.url}: {path} holds per-rank files, which only qconvert's worker "
+                    f"extension reads; restart the server with {EXTENSION_FLAG}"
+                )
             client.reload_weights(str(view.directory))
         return []
     if has_layout(path):
@@ -435,5 +500,7 @@ def preflight(client, path: str | Path) -> None:
     from qconvert.engine.vllm_layout_loader import has_layout  # imports torch
 
     if has_layout(path) and not client.has_extension():
-        raise ReloadError(f"{client.url}: {path} is a pre-shuffled (flashinfer-trtllm) checkpoint; vLLM's stock "
-                          f"loader cannot read it. Restart the server with {EXTENSION_FLAG}")
+        raise ReloadError(
+            f"{client.url}: {path} is a pre-shuffled (flashinfer-trtllm) checkpoint; vLLM's stock "
+            f"loader cannot read it. Restart the server with {EXTENSION_FLAG}"
+        )

@@ -27,17 +27,20 @@ class Arch:
     tie_default: bool = False
 
 
-KNOWN: dict[str, Arch] = {a.name: a for a in [
-    Arch("Qwen3ForCausalLM", "qwen3", False),
-    Arch("Qwen3MoeForCausalLM", "qwen3-moe", True),
-    Arch("Qwen2ForCausalLM", "qwen2", False),
-    Arch("Qwen2MoeForCausalLM", "qwen2-moe", True),
-    Arch("LlamaForCausalLM", "llama", False),
-    Arch("MistralForCausalLM", "mistral", False),
-    Arch("MixtralForCausalLM", "mixtral", True),
-    Arch("DeepseekV3ForCausalLM", "deepseek-v3", True, standard_attention=False),
-    Arch("DeepseekV2ForCausalLM", "deepseek-v2", True, standard_attention=False),
-]}
+KNOWN: dict[str, Arch] = {
+    a.name: a
+    for a in [
+        Arch("Qwen3ForCausalLM", "qwen3", False),
+        Arch("Qwen3MoeForCausalLM", "qwen3-moe", True),
+        Arch("Qwen2ForCausalLM", "qwen2", False),
+        Arch("Qwen2MoeForCausalLM", "qwen2-moe", True),
+        Arch("LlamaForCausalLM", "llama", False),
+        Arch("MistralForCausalLM", "mistral", False),
+        Arch("MixtralForCausalLM", "mixtral", True),
+        Arch("DeepseekV3ForCausalLM", "deepseek-v3", True, standard_attention=False),
+        Arch("DeepseekV2ForCausalLM", "deepseek-v2", True, standard_attention=False),
+    ]
+}
 
 
 def arch_of(config: dict) -> tuple[str, Arch | None]:
@@ -55,8 +58,10 @@ def _where(config_path) -> str:
 
 def _bad(config_path, key: str, v, want: str) -> PlanError:
     shown = "null" if v is None else repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
-    return PlanError(f"{_where(config_path)}: {key} is {shown} ({type(v).__name__}), but must be {want}; "
-                     "restore the original config.json")
+    return PlanError(
+        f"{_where(config_path)}: {key} is {shown} ({type(v).__name__}), but must be {want}; "
+        "restore the original config.json"
+    )
 
 
 def _pos_int(v) -> bool:
@@ -118,8 +123,11 @@ def tie_word_embeddings(config: dict, arch: Arch | None) -> bool | None:
     config: true when the top-level key or ``text_config``'s (multimodal wrappers build their
     language model from it) says so, false when one says false, else the architecture's default;
     None when unknown (no key, unknown architecture)."""
-    said = [c["tie_word_embeddings"] for c in (config, config.get("text_config"))
-            if isinstance(c, dict) and isinstance(c.get("tie_word_embeddings"), bool)]
+    said = [
+        c["tie_word_embeddings"]
+        for c in (config, config.get("text_config"))
+        if isinstance(c, dict) and isinstance(c.get("tie_word_embeddings"), bool)
+    ]
     if said:
         return any(said)
     return arch.tie_default if arch is not None else None
@@ -142,7 +150,11 @@ def expected_shapes(config: dict, arch: Arch) -> list[tuple[re.Pattern, tuple[in
         hd = c.get("head_dim") or h // nh
         out += [
             (re.compile(r"\.self_attn\.q_proj\.weight$"), (nh * hd, h), "num_attention_heads*head_dim x hidden_size"),
-            (re.compile(r"\.self_attn\.[kv]_proj\.weight$"), (nkv * hd, h), "num_key_value_heads*head_dim x hidden_size"),
+            (
+                re.compile(r"\.self_attn\.[kv]_proj\.weight$"),
+                (nkv * hd, h),
+                "num_key_value_heads*head_dim x hidden_size",
+            ),
             (re.compile(r"\.self_attn\.o_proj\.weight$"), (h, nh * hd), "hidden_size x num_attention_heads*head_dim"),
         ]
     inter = c.get("intermediate_size")
@@ -154,7 +166,11 @@ def expected_shapes(config: dict, arch: Arch) -> list[tuple[re.Pattern, tuple[in
     mi = c.get("moe_intermediate_size") if arch.family != "mixtral" else inter
     if isinstance(mi, int) and arch.moe:
         out += [
-            (re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$"), (mi, h), "moe_intermediate_size x hidden_size"),
+            (
+                re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$"),
+                (mi, h),
+                "moe_intermediate_size x hidden_size",
+            ),
             (re.compile(r"\.experts\.\d+\.(down_proj|w2)\.weight$"), (h, mi), "hidden_size x moe_intermediate_size"),
         ]
     ne = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")

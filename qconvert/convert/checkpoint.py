@@ -53,14 +53,17 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
         return p, None
     looks_like_repo = src.count("/") == 1 and not src.startswith((".", "/", "~"))
     if not looks_like_repo:
-        raise CheckpointError(f"{src}: no such directory; pass a local checkpoint directory or a Hub repo id like org/name")
+        raise CheckpointError(
+            f"{src}: no such directory; pass a local checkpoint directory or a Hub repo id like org/name"
+        )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover
         raise CheckpointError("huggingface_hub is not installed; pip install huggingface_hub") from None
     try:
         path = snapshot_download(
-            src, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.md", "*.tiktoken", "*.py"],
+            src,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.md", "*.tiktoken", "*.py"],
             local_files_only=not allow_download or os.environ.get("HF_HUB_OFFLINE") == "1",
         )
     except Exception as e:  # HTTP errors, LocalEntryNotFoundError, network errors
@@ -72,9 +75,16 @@ def resolve_source(src: str, allow_download: bool = True) -> tuple[Path, str | N
 
 
 def _safe_member(root: Path, rel: str, index_path: Path) -> Path:
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\\" in rel or any(
-            part in ("..", "") for part in rel.split("/")):
-        raise CheckpointError(f"{index_path}: shard name {rel!r} is not a plain file name inside the checkpoint; refusing to read outside SRC")
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or os.path.isabs(rel)
+        or "\\" in rel
+        or any(part in ("..", "") for part in rel.split("/"))
+    ):
+        raise CheckpointError(
+            f"{index_path}: shard name {rel!r} is not a plain file name inside the checkpoint; refusing to read outside SRC"
+        )
     # Checked lexically: Hub cache snapshots are symlinks into a blob store, so resolving is wrong.
     return root / rel
 
@@ -87,8 +97,10 @@ def _check_inside(root: Path, p: Path, hub: bool):
     try:
         p.resolve().relative_to(base)
     except ValueError:
-        raise CheckpointError(f"{p}: is a symlink that resolves outside {root}; refusing to read outside SRC "
-                              "(copy the file into the checkpoint directory)") from None
+        raise CheckpointError(
+            f"{p}: is a symlink that resolves outside {root}; refusing to read outside SRC "
+            "(copy the file into the checkpoint directory)"
+        ) from None
 
 
 def guard(root: str | os.PathLike, p: str | os.PathLike, hub: bool = False) -> Path:
@@ -150,7 +162,9 @@ def extra_members(root: Path, hub: bool = False, dirs: list[Path] | None = None)
             name = p.name
             if name.startswith(".") or name.endswith(".lock"):
                 continue
-            if top and (name in REWRITTEN or name.endswith((".safetensors", ".index.json")) or name in OTHER_EXPORT_DIRS):
+            if top and (
+                name in REWRITTEN or name.endswith((".safetensors", ".index.json")) or name in OTHER_EXPORT_DIRS
+            ):
                 continue
             _check_inside(root, p, hub)
             if p.is_dir():
@@ -248,6 +262,7 @@ class CheckpointDir:
     """A checkpoint directory as :func:`open_checkpoint` read it: config, index, every shard's
     validated header, and the problems found. ``hf_quant_config`` and ``manifest`` are read (guarded)
     on first use: a corrupt one is an error of the caller that needs it."""
+
     root: Path
     config: dict
     index: dict | None  # the parsed index (its weight_map checked), None without one
@@ -285,8 +300,9 @@ class CheckpointDir:
         return [p for p in extra_members(self.root, self.hub, dirs) if p.resolve() not in shard_paths]
 
 
-def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = False,
-                    require_config: bool = True) -> CheckpointDir:
+def open_checkpoint(
+    root: str | os.PathLike, strict: bool = True, hub: bool = False, require_config: bool = True
+) -> CheckpointDir:
     """The one reader of a checkpoint directory (every file through :func:`guard`: nothing outside
     ``root``, no FIFO): config.json, the index, every shard's validated header.
 
@@ -300,7 +316,9 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
     """
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise CheckpointError(f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors")
+        raise CheckpointError(
+            f"{root}: not a checkpoint directory; pass a directory holding config.json and *.safetensors"
+        )
     config = read_config(root, hub) if require_config else {}
     ck = CheckpointDir(root, config, None, [], {}, {}, hub=hub)
     problems = ck.problems
@@ -312,7 +330,9 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
             if not isinstance(index, dict):
                 raise ValueError("not a JSON object")
             wmap = index["weight_map"]
-            if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+            if not isinstance(wmap, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+            ):
                 raise ValueError("weight_map must map tensor names to shard file names")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{index_path}: malformed index ({e}); rewrite or re-download it") from None
@@ -322,25 +342,39 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
             _check_inside(root, _safe_member(root, rel, index_path), hub)
         for rel in files:
             if not os.path.lexists(root / rel):  # a FIFO or link: guard() below says what it is
-                raise CheckpointError(f"{root / rel}: shard listed in {INDEX_NAME} is missing; "
-                                      "re-download the checkpoint (or re-run the conversion)")
+                raise CheckpointError(
+                    f"{root / rel}: shard listed in {INDEX_NAME} is missing; "
+                    "re-download the checkpoint (or re-run the conversion)"
+                )
         listed = {Path(rel).name for rel in files if "/" not in rel}
         for extra in on_disk:
             if extra not in listed:
-                problems.append(Problem("unlisted-shard", f"{root / extra}: shard not listed in {INDEX_NAME}; engines will "
-                                                          "not load it — delete it or add it to the index", extra))
+                problems.append(
+                    Problem(
+                        "unlisted-shard",
+                        f"{root / extra}: shard not listed in {INDEX_NAME}; engines will "
+                        "not load it — delete it or add it to the index",
+                        extra,
+                    )
+                )
     else:
         files = on_disk
         if len(files) > 1:
-            problems.append(Problem("no-index", f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; "
-                                                "add the index or keep one file", INDEX_NAME))
+            problems.append(
+                Problem(
+                    "no-index",
+                    f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; add the index or keep one file",
+                    INDEX_NAME,
+                )
+            )
     if not files and (ck.index is None or not strict):  # strict: an empty index is an empty model (below)
         if strict:
             pickles = sorted(list(root.glob("*.bin")) + list(root.glob("*.pt")) + list(root.glob("*.pth")))
             if pickles:
                 raise CheckpointError(
                     f"{pickles[0]}: pickle checkpoints can execute code and are refused; convert to safetensors first "
-                    "(e.g. transformers' save_pretrained(safe_serialization=True)) or pass --allow-pickle")
+                    "(e.g. transformers' save_pretrained(safe_serialization=True)) or pass --allow-pickle"
+                )
         raise CheckpointError(f"{root}: no .safetensors weights found")
     if strict and any(p.code in FATAL_STRICT for p in problems):
         raise CheckpointError(next(p for p in problems if p.code in FATAL_STRICT))
@@ -348,8 +382,14 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
     for h in ck.shards:
         for name, e in h.entries.items():
             if name in ck.tensors:
-                problems.append(Problem("duplicate", f"tensor {name!r} appears in both {ck.shard_of[name]} and "
-                                                     f"{h.path.name}; the checkpoint is inconsistent: remove one copy", name))
+                problems.append(
+                    Problem(
+                        "duplicate",
+                        f"tensor {name!r} appears in both {ck.shard_of[name]} and "
+                        f"{h.path.name}; the checkpoint is inconsistent: remove one copy",
+                        name,
+                    )
+                )
                 continue
             ck.tensors[name] = e
             ck.shard_of[name] = h.path.name
@@ -357,19 +397,42 @@ def open_checkpoint(root: str | os.PathLike, strict: bool = True, hub: bool = Fa
         wmap = ck.index["weight_map"]
         for name, rel in sorted(wmap.items()):
             if name not in ck.tensors:
-                problems.append(Problem("index-missing-tensor", f"{index_path}: tensor {name!r} listed in {rel} but that "
-                                                                "shard does not hold it; rewrite the index or re-download", name))
+                problems.append(
+                    Problem(
+                        "index-missing-tensor",
+                        f"{index_path}: tensor {name!r} listed in {rel} but that "
+                        "shard does not hold it; rewrite the index or re-download",
+                        name,
+                    )
+                )
             elif ck.shard_of[name] != Path(rel).name:
-                problems.append(Problem("index-wrong-shard", f"{index_path}: tensor {name!r} listed in {rel} but stored "
-                                                             f"in {ck.shard_of[name]}; rewrite the index", name))
+                problems.append(
+                    Problem(
+                        "index-wrong-shard",
+                        f"{index_path}: tensor {name!r} listed in {rel} but stored "
+                        f"in {ck.shard_of[name]}; rewrite the index",
+                        name,
+                    )
+                )
         for name in sorted(set(ck.tensors) - set(wmap)):
-            problems.append(Problem("not-in-index", f"{index_path}: tensor {name!r} in {ck.shard_of[name]} is not in the "
-                                                    "index; rewrite the index", name))
+            problems.append(
+                Problem(
+                    "not-in-index",
+                    f"{index_path}: tensor {name!r} in {ck.shard_of[name]} is not in the index; rewrite the index",
+                    name,
+                )
+            )
         meta = ck.index.get("metadata")
         total = meta.get("total_size") if isinstance(meta, dict) else None
         if total is not None and total != ck.total_bytes:
-            problems.append(Problem("total-size", f"{index_path}: metadata.total_size {total} != {ck.total_bytes} "
-                                                  "bytes of tensor data; rewrite the index", INDEX_NAME))
+            problems.append(
+                Problem(
+                    "total-size",
+                    f"{index_path}: metadata.total_size {total} != {ck.total_bytes} "
+                    "bytes of tensor data; rewrite the index",
+                    INDEX_NAME,
+                )
+            )
     if strict:
         fatal = [p for p in problems if p.code in FATAL_STRICT]
         if fatal:
@@ -386,11 +449,15 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
     from .fp8_source import declared_block
-    declared_block(config, ck.root / CONFIG_NAME)  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
+
+    declared_block(
+        config, ck.root / CONFIG_NAME
+    )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []
     extra = ck.extra_files(dirs)
-    return Checkpoint(root=root, config=config, shards=ck.shards, source_id=src, revision=rev, extra_files=extra,
-                      extra_dirs=dirs)
+    return Checkpoint(
+        root=root, config=config, shards=ck.shards, source_id=src, revision=rev, extra_files=extra, extra_dirs=dirs
+    )
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -402,8 +469,13 @@ def pickle_files(src: str) -> list[Path]:
     if not root.is_dir() or any(root.glob("*.safetensors")):
         return []
     # guarded: a .bin symlink that leaves SRC is an error, a FIFO one too (torch.load would block)
-    return sorted(guard(root, p) for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES and not p.is_dir()
-                  and not p.name.startswith(("optimizer", "scheduler", "training_args", "rng_state")))
+    return sorted(
+        guard(root, p)
+        for p in root.iterdir()
+        if p.suffix in PICKLE_SUFFIXES
+        and not p.is_dir()
+        and not p.name.startswith(("optimizer", "scheduler", "training_args", "rng_state"))
+    )
 
 
 def pickle_to_safetensors(src: str, out: Path) -> Path:
@@ -433,8 +505,9 @@ def pickle_to_safetensors(src: str, out: Path) -> Path:
             raise
         except Exception as e:  # UnpicklingError for anything but tensors and containers
             msg = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
-            raise CheckpointError(f"{f}: refused by torch.load(weights_only=True): {msg}; "
-                                  "it is not a plain tensor checkpoint") from None
+            raise CheckpointError(
+                f"{f}: refused by torch.load(weights_only=True): {msg}; it is not a plain tensor checkpoint"
+            ) from None
         if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
             sd = sd["state_dict"]
         if not isinstance(sd, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
@@ -451,8 +524,9 @@ def pickle_to_safetensors(src: str, out: Path) -> Path:
             total += v.numel() * v.element_size()
         w.close(fsync=False)
     if n > 1:
-        (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                  "weight_map": dict(sorted(wmap.items()))}, indent=2))
+        (out / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2)
+        )
     # config.json and every file convert copies (extra_members, guarded), folders included
     cfg = [guard(root, root / "config.json")] if os.path.lexists(root / "config.json") else []
     dirs: list[Path] = []
@@ -464,4 +538,3 @@ def pickle_to_safetensors(src: str, out: Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(p, dest)
     return out
-

@@ -26,8 +26,13 @@ from .plan import Plan, build_plan
 from .runner import Runner
 
 
-def convert(src: str, dst: str | os.PathLike | None, scheme: str | None = None,
-            opts: ConvertOptions | None = None, log: Callable[[str], None] | None = None) -> ConvertResult:
+def convert(
+    src: str,
+    dst: str | os.PathLike | None,
+    scheme: str | None = None,
+    opts: ConvertOptions | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst``. With ``opts.dry_run`` only plans.
 
     The scheme is ``opts.scheme``; ``scheme``, if given, must be the same (or ``opts`` omitted)."""
@@ -60,8 +65,10 @@ def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, Buil
     # fused expert tensors planned as their per-expert matrices (fused.py)
     inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
     if views and qsrc is not None:
-        raise QConvertError(f"tensor {next(iter(views.values())).source!r}: fused expert tensors in an FP8 source are "
-                            "not supported; convert a BF16 (or per-expert FP8) checkpoint")
+        raise QConvertError(
+            f"tensor {next(iter(views.values())).source!r}: fused expert tensors in an FP8 source are "
+            "not supported; convert a BF16 (or per-expert FP8) checkpoint"
+        )
     popts = opts.plan
     if views and popts.keep_bf16:  # --keep-bf16 naming a fused tensor keeps its layer's experts
         popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, views))
@@ -90,8 +97,17 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
     rows = plan_rows(ckpt, plan, jobs)
     bytes_in = sum(r.bytes_in for r in rows)
     bytes_out = sum(r.bytes_out for r in rows)
-    result = ConvertResult(None if opts.dry_run else dst, plan, scheme, dialect, rows, bytes_in, bytes_out,
-                           notes=list(plan.notes), options=opts)
+    result = ConvertResult(
+        None if opts.dry_run else dst,
+        plan,
+        scheme,
+        dialect,
+        rows,
+        bytes_in,
+        bytes_out,
+        notes=list(plan.notes),
+        options=opts,
+    )
     if opts.dry_run:
         result.seconds = time.perf_counter() - t0
         return result
@@ -105,8 +121,20 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
     tmp = part.dir
     try:
         input_sha, output_sha = Runner(ckpt, jobs, tmp, opts, bytes_in, journal=part).run()
-        write_metadata(ckpt, plan, jobs, built.layout_layers, scheme, dialect, tmp, opts, input_sha, output_sha,
-                       created=part.created, source=built.source)
+        write_metadata(
+            ckpt,
+            plan,
+            jobs,
+            built.layout_layers,
+            scheme,
+            dialect,
+            tmp,
+            opts,
+            input_sha,
+            output_sha,
+            created=part.created,
+            source=built.source,
+        )
         part.finish()
         try:
             destination.install(tmp, dst, opts.force)  # under the lock: released only once DST is in place
@@ -118,8 +146,9 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
         part.release()
     except OutputError as e:
         part.release()
-        raise OutputError(f"{e} [finished shards kept in {tmp}: fix this and rerun with --resume, "
-                          "or delete it]") from None
+        raise OutputError(
+            f"{e} [finished shards kept in {tmp}: fix this and rerun with --resume, or delete it]"
+        ) from None
     except KeyboardInterrupt:
         part.release()
         raise
@@ -132,15 +161,19 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
 
 def _materialize_pickles(src: str, dst: Path | None, opts: ConvertOptions) -> Path | None:
     from .checkpoint import pickle_files, pickle_to_safetensors
+
     if not opts.allow_pickle or not pickle_files(src):
         return None
     import tempfile
+
     base = Path(tempfile.mkdtemp(prefix="qconvert-pickle-")) if dst is None else dst.parent
     out = base / (f".{dst.name}.qconvert-pickle-src" if dst is not None else "src")
     st = destination.lstat(out)
     if st is not None and not stat.S_ISDIR(st.st_mode):
-        raise OutputError(f"{out}: exists and is not a directory (a symbolic link?); qconvert writes its "
-                          "safetensors copy of the pickles there: move it away")
+        raise OutputError(
+            f"{out}: exists and is not a directory (a symbolic link?); qconvert writes its "
+            "safetensors copy of the pickles there: move it away"
+        )
     shutil.rmtree(out, ignore_errors=True)
     try:
         return pickle_to_safetensors(src, out)

@@ -43,43 +43,98 @@ def _tokenizer_files(dst: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 16, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 16,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     tok.save(str(dst / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (dst / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "model_max_length": 1024, "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False,
-                                                             "rstrip": False, "normalized": False, "single_word": False}
-                                 for t in SPECIAL},
-        "chat_template": template,
-    }, indent=2))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": 1024,
+                "clean_up_tokenization_spaces": False,
+                "added_tokens_decoder": {
+                    str(tok.token_to_id(t)): {
+                        "content": t,
+                        "special": True,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": False,
+                        "single_word": False,
+                    }
+                    for t in SPECIAL
+                },
+                "chat_template": template,
+            },
+            indent=2,
+        )
+    )
     return tok.token_to_id("<|endoftext|>")
 
 
 def demo_config(arch: str, eos_id: int = 0) -> dict:
     common = {
-        "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "vocab_size": VOCAB, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 4,
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "rope_scaling": None,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 4,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "rope_scaling": None,
     }
     if arch == "qwen3-moe":
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
-                "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
-                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "output_router_logits": False, "router_aux_loss_coef": 0.001}
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **common,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
     if arch == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, "intermediate_size": 512}
     if arch == "llama-tied":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "intermediate_size": 512,
-                "tie_word_embeddings": True, "mlp_bias": False, "pretraining_tp": 1}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **common,
+            "intermediate_size": 512,
+            "tie_word_embeddings": True,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+        }
     raise ValueError(f"unknown demo architecture {arch!r}; choose one of {ARCHS}")
 
 
@@ -97,8 +152,11 @@ def demo_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
     tied = config.get("tie_word_embeddings", False)
     # a tied embedding is also the head: the untied head's scale, so logits stay O(1)
-    t = {"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * (4.0 / math.sqrt(h) if tied else 1.0)
-                                       ).to(torch.bfloat16)}
+    t = {
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * (4.0 / math.sqrt(h) if tied else 1.0)).to(
+            torch.bfloat16
+        )
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(h)
@@ -154,12 +212,14 @@ def write_sharded(dst: Path, tensors: dict[str, torch.Tensor], n_shards: int):
             wmap[n] = f
         w.close(fsync=False)
     if n_shards > 1:
-        (dst / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2))
+        (dst / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, indent=2)
+        )
 
 
-def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_shards: int = 3,
-                     overrides: dict | None = None) -> Path:
+def build_demo_model(
+    dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_shards: int = 3, overrides: dict | None = None
+) -> Path:
     """Create the tiny demo checkpoint at ``dst`` (must not exist). Offline, deterministic.
     ``overrides``: config keys to change (sizes; scripts/bench_reload.py builds larger models so)."""
     dst = Path(dst)
@@ -169,19 +229,28 @@ def build_demo_model(dst: str | Path, arch: str = "qwen3-moe", seed: int = 0, n_
     eos = _tokenizer_files(dst)
     config = {**demo_config(arch, eos), **(overrides or {})}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    (dst / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2))
+    (dst / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": eos, "eos_token_id": eos, "do_sample": False}, indent=2)
+    )
     title = f"{arch}, seed {seed}" if seed else arch  # seed 0: the same bytes as before --seed existed
     (dst / "README.md").write_text(
         "---\nlicense: apache-2.0\nlibrary_name: transformers\ntags:\n- qconvert-demo\n---\n\n"
         f"# qconvert demo model ({title})\n\nA tiny random {config['architectures'][0]} built offline by "
-        "`qconvert demo` for tests and examples. Its outputs are meaningless.\n")
+        "`qconvert demo` for tests and examples. Its outputs are meaningless.\n"
+    )
     write_sharded(dst, demo_tensors(config, seed), n_shards)
     return dst
 
 
-def convert_demo(root: str | Path, arch: str = "qwen3-moe", scheme: str = "mxfp8", last_n_bf16: int = 1,
-                 force: bool = False, log=None, seed: int = 0):
+def convert_demo(
+    root: str | Path,
+    arch: str = "qwen3-moe",
+    scheme: str = "mxfp8",
+    last_n_bf16: int = 1,
+    force: bool = False,
+    log=None,
+    seed: int = 0,
+):
     """What ``qconvert demo`` does: build the tiny model in ``root/bf16`` (replaced with ``force``)
     and convert it to ``root/<scheme>`` (``root/<scheme>-last<N>-bf16`` with ``last_n_bf16``),
     NVFP4 as W4A16. ``seed`` picks the random weights (the same shapes and options for every
@@ -196,13 +265,19 @@ def convert_demo(root: str | Path, arch: str = "qwen3-moe", scheme: str = "mxfp8
     if src.exists() and not force:
         raise OutputError(f"{src}: already exists; choose another DST or pass --force")
     if src.is_symlink():
-        raise OutputError(f"{src}: is a symbolic link; demo writes its model there and does not follow links: "
-                          "choose another DST")
+        raise OutputError(
+            f"{src}: is a symbolic link; demo writes its model there and does not follow links: choose another DST"
+        )
     if src.exists():
         import shutil
+
         shutil.rmtree(src)
     build_demo_model(src, arch=arch, seed=seed)
     log(f"built demo model {arch} (seed {seed}) at {src}")
-    opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16), force=force,
-                          **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}))
+    opts = ConvertOptions(
+        scheme=scheme,
+        plan=PlanOptions(scheme=scheme, last_n_bf16=last_n_bf16),
+        force=force,
+        **({"input_mode": "weight-only"} if scheme == "nvfp4" else {}),
+    )
     return convert(str(src), str(out), scheme, opts)

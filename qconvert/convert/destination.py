@@ -31,8 +31,10 @@ def check_not_overlapping(src_root: Path, dst: Path):
     for d in {Path(os.path.realpath(dst)), Path(os.path.realpath(dst.parent)) / dst.name}:
         if d == s or s in d.parents or d in s.parents:
             what = "is SRC" if d == s else ("lies inside SRC" if s in d.parents else "contains SRC")
-            raise OutputError(f"{dst}: DST {what} ({src_root}); choose a DST outside the source checkpoint "
-                              "(--force never replaces or writes into the source)")
+            raise OutputError(
+                f"{dst}: DST {what} ({src_root}); choose a DST outside the source checkpoint "
+                "(--force never replaces or writes into the source)"
+            )
 
 
 def check_dst(dst: Path, force: bool, src: str | None = None):
@@ -43,8 +45,9 @@ def check_dst(dst: Path, force: bool, src: str | None = None):
         check_not_overlapping(Path(src).expanduser(), dst)
     st = lstat(dst)
     if st is not None and stat.S_ISLNK(st.st_mode):
-        raise OutputError(f"{dst}: is a symbolic link; qconvert does not write through or replace links: "
-                          "choose another DST")
+        raise OutputError(
+            f"{dst}: is a symbolic link; qconvert does not write through or replace links: choose another DST"
+        )
     if st is not None and not force:
         raise OutputError(f"{dst}: already exists; choose another DST or pass --force to replace it")
     if st is not None and not stat.S_ISDIR(st.st_mode):
@@ -62,8 +65,9 @@ def check_old_free(dst: Path) -> Path:
     """The path an existing DST is moved to while --force installs the new one; nothing may be there."""
     old = dst.parent / f".{dst.name}.qconvert-old-{os.getpid()}"
     if lstat(old) is not None:
-        raise OutputError(f"{old}: already exists (left by an interrupted --force run: the DST it replaced); "
-                          "move it away, then rerun")
+        raise OutputError(
+            f"{old}: already exists (left by an interrupted --force run: the DST it replaced); move it away, then rerun"
+        )
     return old
 
 
@@ -80,8 +84,9 @@ def install(tmp: Path, dst: Path, force: bool = True):
     old = None
     if st is not None:
         if not force:
-            raise OutputError(f"{dst}: appeared while converting (another process?); pass --force to replace it "
-                              "or choose another DST")
+            raise OutputError(
+                f"{dst}: appeared while converting (another process?); pass --force to replace it or choose another DST"
+            )
         if not stat.S_ISDIR(st.st_mode):  # a link or a file put there since check_dst
             raise OutputError(f"{dst}: is not a directory (a symbolic link?); choose another DST")
         old = check_old_free(dst)
@@ -94,9 +99,10 @@ def install(tmp: Path, dst: Path, force: bool = True):
             try:
                 os.rename(old, dst)
             except OSError as e:
-                raise OutputError(f"{dst}: cannot move the finished output into place nor restore the "
-                                  f"previous DST ({e.strerror}); the previous DST is in {old}") from None
+                raise OutputError(
+                    f"{dst}: cannot move the finished output into place nor restore the "
+                    f"previous DST ({e.strerror}); the previous DST is in {old}"
+                ) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)  # a directory we renamed; rmtree never follows links in it
-

@@ -63,8 +63,11 @@ class Fp8BlockSource:
 
     def logical_inventory(self, inventory: dict) -> dict:
         scale_names = set(self.scales.values())
-        return {n: (("BF16", shape) if n in self.scales else (tag, shape))
-                for n, (tag, shape) in inventory.items() if n not in scale_names}
+        return {
+            n: (("BF16", shape) if n in self.scales else (tag, shape))
+            for n, (tag, shape) in inventory.items()
+            if n not in scale_names
+        }
 
     def wrap_jobs(self, jobs: list) -> list:
         return [self._wrap(j) for j in jobs]
@@ -85,9 +88,11 @@ class Fp8BlockSource:
                 bad = fp8_block.bad_scale_blocks(s)
                 if len(bad):
                     r, c = bad[0].tolist()
-                    raise CheckpointError(f"tensor {scales[n]!r}: block [{r}, {c}] scale is {float(s[r, c])!r}; a "
-                                          "block decode scale must be finite and >= 0: the checkpoint is corrupt, "
-                                          "re-download it")
+                    raise CheckpointError(
+                        f"tensor {scales[n]!r}: block [{r}, {c}] scale is {float(s[r, c])!r}; a "
+                        "block decode scale must be finite and >= 0: the checkpoint is corrupt, "
+                        "re-download it"
+                    )
                 x = fp8_block.dequantize(src[n], s, block)
                 view[n] = x.to(torch.bfloat16) if job.fmt == "bf16" else x
             out = inner(view)
@@ -133,17 +138,26 @@ class Fp8BlockSource:
                 self.paths[t.module] = "bf16-source"
                 bf16_linear += 1
         bn, bk = self.block
-        notes = [f"source: FP8 block-scaled checkpoint (weight_block_size [{bn}, {bk}]); {len(self.scales)} FP8 weights: "
-                 f"{lossless} lossless (power-of-two block scales: decode exactly), {mixed} partly lossless, "
-                 f"{requant} requantized from their fp32 decode, {kept} kept as BF16"]
+        notes = [
+            f"source: FP8 block-scaled checkpoint (weight_block_size [{bn}, {bk}]); {len(self.scales)} FP8 weights: "
+            f"{lossless} lossless (power-of-two block scales: decode exactly), {mixed} partly lossless, "
+            f"{requant} requantized from their fp32 decode, {kept} kept as BF16"
+        ]
         if bf16_linear:
-            notes.append(f"source: {bf16_linear} quantized Linear weights are not FP8 in this checkpoint and are "
-                         "converted from their own values (a mixed checkpoint)")
+            notes.append(
+                f"source: {bf16_linear} quantized Linear weights are not FP8 in this checkpoint and are "
+                "converted from their own values (a mixed checkpoint)"
+            )
         return notes
 
     def manifest(self) -> dict:
-        return {"kind": KIND, "weight_block_size": list(self.block), "tensor_paths": dict(self.paths),
-                "lossless_blocks": dict(self.partial), "path_codes": dict(PATHS)}
+        return {
+            "kind": KIND,
+            "weight_block_size": list(self.block),
+            "tensor_paths": dict(self.paths),
+            "lossless_blocks": dict(self.partial),
+            "path_codes": dict(PATHS),
+        }
 
 
 def scale_reader(ckpt):
@@ -155,6 +169,7 @@ def scale_reader(ckpt):
     def read(name: str) -> torch.Tensor:
         with ShardReader(ckpt.shards[shard_of[name]], hash_file=False, mapped=True) as rd:
             return rd.read(name).clone()
+
     return read
 
 
@@ -166,17 +181,25 @@ def declared_block(config: dict, where: str = "config.json") -> tuple[int, int] 
         return None
     qm = qc.get("quant_method") if isinstance(qc, dict) else None
     if qm != "fp8":
-        raise CheckpointError(f"{where}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts "
-                              "BF16 checkpoints and FP8 block-scaled ones (quant_method fp8 with weight_block_size)")
+        raise CheckpointError(
+            f"{where}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts "
+            "BF16 checkpoints and FP8 block-scaled ones (quant_method fp8 with weight_block_size)"
+        )
     bs = qc.get("weight_block_size")
     if bs is None:
-        raise CheckpointError(f"{where}: checkpoint is already quantized (quant_method='fp8' without "
-                              "weight_block_size: per-tensor FP8), which qconvert does not read; dequantize it to "
-                              "BF16 first")
-    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                                                          for v in bs)):
-        raise CheckpointError(f"{where}: weight_block_size {bs!r} is not two positive integers; restore the "
-                              "original config.json")
+        raise CheckpointError(
+            f"{where}: checkpoint is already quantized (quant_method='fp8' without "
+            "weight_block_size: per-tensor FP8), which qconvert does not read; dequantize it to "
+            "BF16 first"
+        )
+    if not (
+        isinstance(bs, list)
+        and len(bs) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)
+    ):
+        raise CheckpointError(
+            f"{where}: weight_block_size {bs!r} is not two positive integers; restore the original config.json"
+        )
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"{where}: FP8 format {fmt!r}; qconvert reads E4M3 block-scaled checkpoints only")
@@ -200,13 +223,19 @@ def detect(config: dict, inventory: dict, where: str = "config.json") -> Fp8Bloc
         if tag == "F8_E5M2":
             raise CheckpointError(f"tensor {name!r} is F8_E5M2; qconvert reads E4M3 block-scaled weights only")
         if tag != "F8_E4M3":
-            if name.endswith(".weight") and len(shape) == 2 and (name[: -len("weight")] + SCALE_SUFFIX) not in inventory:
+            if (
+                name.endswith(".weight")
+                and len(shape) == 2
+                and (name[: -len("weight")] + SCALE_SUFFIX) not in inventory
+            ):
                 float_weights.append(name)
             continue
         sname = name[: -len("weight")] + SCALE_SUFFIX if name.endswith(".weight") else None
         if sname is None or sname not in inventory:
-            raise CheckpointError(f"tensor {name!r} is FP8 but has no {SCALE_SUFFIX} beside it; the checkpoint is "
-                                  "incomplete or not block-scaled")
+            raise CheckpointError(
+                f"tensor {name!r} is FP8 but has no {SCALE_SUFFIX} beside it; the checkpoint is "
+                "incomplete or not block-scaled"
+            )
         if len(shape) != 2:
             raise CheckpointError(f"tensor {name!r} is FP8 with shape {list(shape)}; block-scaled weights are 2-D")
         stag, sshape = inventory[sname]
@@ -214,13 +243,17 @@ def detect(config: dict, inventory: dict, where: str = "config.json") -> Fp8Bloc
         if stag not in SCALE_TAGS:
             raise CheckpointError(f"tensor {sname!r} has dtype {stag}; block scales are F32 (or BF16/F16)")
         if tuple(sshape) != want:
-            raise CheckpointError(f"tensor {sname!r} has shape {list(sshape)}, but weight {list(shape)} with the "
-                                  f"declared weight_block_size {list(block)} needs {list(want)}: the scales do not "
-                                  "match the declared block size; fix weight_block_size in config.json")
+            raise CheckpointError(
+                f"tensor {sname!r} has shape {list(sshape)}, but weight {list(shape)} with the "
+                f"declared weight_block_size {list(block)} needs {list(want)}: the scales do not "
+                "match the declared block size; fix weight_block_size in config.json"
+            )
         scales[name] = sname
     if not scales:
-        raise CheckpointError(f"{where}: declares FP8 block quantization but no tensor is F8_E4M3 with a "
-                              f"{SCALE_SUFFIX}; restore the original config.json")
+        raise CheckpointError(
+            f"{where}: declares FP8 block quantization but no tensor is F8_E4M3 with a "
+            f"{SCALE_SUFFIX}; restore the original config.json"
+        )
     return Fp8BlockSource(block, scales, sorted(float_weights))
 
 

@@ -32,24 +32,33 @@ IN_OUT = "in_out"
 
 #: architectures whose fused experts are written as per-expert names, which vLLM and SGLang load for
 #: them; gate is the first half of gate_up (docs/formats.md#fused-expert-tensors)
-PER_EXPERT_ARCHS = frozenset({"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-                              "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"})
+PER_EXPERT_ARCHS = frozenset(
+    {
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+    }
+)
 #: architectures refused, and why (docs/formats.md#fused-expert-tensors)
 REFUSED_ARCHS = {
     "GptOssForCausalLM": "gpt-oss interleaves gate and up (even/odd columns) with biases and engines load its fused "
-                         "names only, in their own MXFP4 format",
+    "names only, in their own MXFP4 format",
     "Llama4ForConditionalGeneration": "Llama 4's fused experts are not supported yet (not run in an engine here); "
-                                      "split them per expert first",
+    "split them per expert first",
     "Llama4ForCausalLM": "Llama 4's fused experts are not supported yet (not run in an engine here); "
-                         "split them per expert first",
+    "split them per expert first",
     "MixtralForCausalLM": "transformers 5 renames Mixtral's block_sparse_moe.experts.{e}.w1/w2/w3 to mlp.experts.*; "
-                          "qconvert does not rename the layer back",
+    "qconvert does not rename the layer back",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's fused experts are not supported yet (not run in an "
-                                          "engine here); split them per expert first",
+    "engine here); split them per expert first",
 }
+
 
 class Refusal(enum.Enum):
     """Why fused expert tensors were refused (:attr:`FusedError.code`)."""
+
     UNKNOWN_TENSOR = "unknown-tensor"  # a tensor directly under experts that is not gate_up_proj / down_proj
     REFUSED_ARCH = "refused-architecture"  # REFUSED_ARCHS
     UNKNOWN_ARCH = "unknown-architecture"  # neither PER_EXPERT_ARCHS nor REFUSED_ARCHS
@@ -75,6 +84,7 @@ PROJ_OUT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",
 @dataclass(frozen=True)
 class View:
     """One expert's 2-D matrix [out, in] inside a fused tensor."""
+
     source: str  # the fused tensor's name
     expert: int
     start: int  # rows [start, stop) of the expert's [out, in] matrix (gate: first half of gate_up)
@@ -122,32 +132,50 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     for n, (_, shape) in inventory.items():
         m = _UNDER_EXPERTS_RE.match(n)
         if m and n not in fused and len(tuple(shape)) >= 2:
-            raise FusedError(Refusal.UNKNOWN_TENSOR, f"tensor {n!r} {list(shape)} is a fused expert tensor qconvert does not know (it knows "
-                            "experts.gate_up_proj and experts.down_proj); convert it to per-expert "
-                            "experts.{e}.gate_proj/up_proj/down_proj weights first")
+            raise FusedError(
+                Refusal.UNKNOWN_TENSOR,
+                f"tensor {n!r} {list(shape)} is a fused expert tensor qconvert does not know (it knows "
+                "experts.gate_up_proj and experts.down_proj); convert it to per-expert "
+                "experts.{e}.gate_proj/up_proj/down_proj weights first",
+            )
     if not fused:
         return inventory, {}
     archs = config.get("architectures") or []
     arch = archs[0] if archs and isinstance(archs[0], str) else "<none>"
     if arch in REFUSED_ARCHS:
-        raise FusedError(Refusal.REFUSED_ARCH, f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section")
+        raise FusedError(
+            Refusal.REFUSED_ARCH,
+            f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section",
+        )
     if arch not in PER_EXPERT_ARCHS:
-        raise FusedError(Refusal.UNKNOWN_ARCH, f"tensor {fused[0]!r} is a fused expert tensor of architecture {arch}, for which qconvert "
-                        "does not know what engines load; supported: " + ", ".join(sorted(PER_EXPERT_ARCHS)))
+        raise FusedError(
+            Refusal.UNKNOWN_ARCH,
+            f"tensor {fused[0]!r} is a fused expert tensor of architecture {arch}, for which qconvert "
+            "does not know what engines load; supported: " + ", ".join(sorted(PER_EXPERT_ARCHS)),
+        )
     per_expert_prefixes = {m.group("prefix") for n in inventory if (m := _PER_EXPERT_RE.match(n))}
     e, h, i = _moe_sizes(config)
     if not all(isinstance(v, int) and v > 0 for v in (e, h, i)):
-        raise FusedError(Refusal.CONFIG_KEYS, f"tensor {fused[0]!r} is a fused expert tensor but {where} lacks num_experts/n_routed_experts, "
-                        "hidden_size or moe_intermediate_size, which decide its orientation; restore the original config.json")
+        raise FusedError(
+            Refusal.CONFIG_KEYS,
+            f"tensor {fused[0]!r} is a fused expert tensor but {where} lacks num_experts/n_routed_experts, "
+            "hidden_size or moe_intermediate_size, which decide its orientation; restore the original config.json",
+        )
     by_prefix: dict[str, dict[str, str]] = {}
     for n in fused:
         m = FUSED_RE.match(n)
         if m.group("prefix") in per_expert_prefixes:
-            raise FusedError(Refusal.BOTH_FORMS, f"tensor {n!r} is a fused expert tensor but {m.group('prefix')} also holds per-expert "
-                            "tensors (experts.{e}.…); the checkpoint holds the layer twice: keep one form")
+            raise FusedError(
+                Refusal.BOTH_FORMS,
+                f"tensor {n!r} is a fused expert tensor but {m.group('prefix')} also holds per-expert "
+                "tensors (experts.{e}.…); the checkpoint holds the layer twice: keep one form",
+            )
         if m.group("proj") in by_prefix.setdefault(m.group("prefix"), {}):
-            raise FusedError(Refusal.BOTH_FORMS, f"tensor {n!r} and {by_prefix[m.group('prefix')][m.group('proj')]!r} are the same fused "
-                            "expert tensor; keep one")
+            raise FusedError(
+                Refusal.BOTH_FORMS,
+                f"tensor {n!r} and {by_prefix[m.group('prefix')][m.group('proj')]!r} are the same fused "
+                "expert tensor; keep one",
+            )
         by_prefix[m.group("prefix")][m.group("proj")] = n
     decided: dict[str, str] = {}  # orientation -> first tensor that decided it
     per_layer: dict[str, str] = {}
@@ -158,27 +186,39 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
             fits[n] = _orientations(proj, shape, e, h, i)
             if not fits[n]:
                 want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
-                raise FusedError(Refusal.SHAPE, f"tensor {n!r} has shape {list(shape)} but {where} implies {list(want)} or its "
-                                f"transpose {[want[0], want[2], want[1]]} (num_experts, hidden_size, "
-                                "moe_intermediate_size); the weights do not belong to this config.json")
+                raise FusedError(
+                    Refusal.SHAPE,
+                    f"tensor {n!r} has shape {list(shape)} but {where} implies {list(want)} or its "
+                    f"transpose {[want[0], want[2], want[1]]} (num_experts, hidden_size, "
+                    "moe_intermediate_size); the weights do not belong to this config.json",
+                )
         common = set.intersection(*fits.values())
         if not common:
             a, b = sorted(fits)
-            raise FusedError(Refusal.SIBLINGS_DISAGREE, f"tensors {a!r} and {b!r} are stored in different orientations ([out, in] and [in, out] "
-                            "per expert); transpose one of them so that both use the same")
+            raise FusedError(
+                Refusal.SIBLINGS_DISAGREE,
+                f"tensors {a!r} and {b!r} are stored in different orientations ([out, in] and [in, out] "
+                "per expert); transpose one of them so that both use the same",
+            )
         if len(common) > 1:
             n = next(iter(projs.values()))
-            raise FusedError(Refusal.SQUARE, f"tensor {n!r} has the square shape {list(inventory[n][1])}: qconvert cannot tell "
-                            "[E, out, in] from [E, in, out], and no sibling gate_up_proj/down_proj of that layer "
-                            "decides; add the sibling or split the tensor per expert")
+            raise FusedError(
+                Refusal.SQUARE,
+                f"tensor {n!r} has the square shape {list(inventory[n][1])}: qconvert cannot tell "
+                "[E, out, in] from [E, in, out], and no sibling gate_up_proj/down_proj of that layer "
+                "decides; add the sibling or split the tensor per expert",
+            )
         o = common.pop()
         per_layer[prefix] = o
         decided.setdefault(o, next(iter(projs.values())))
     if len(decided) > 1:
         a, b = decided[OUT_IN], decided[IN_OUT]
-        raise FusedError(Refusal.MIXED_ORIENTATIONS, f"fused expert tensors {a!r} ([E, out, in]) and {b!r} ([E, in, out]) are stored in "
-                        "different orientations in one checkpoint; a transposed tensor in the wrong orientation "
-                        "would quantize along the wrong axis: store them all one way")
+        raise FusedError(
+            Refusal.MIXED_ORIENTATIONS,
+            f"fused expert tensors {a!r} ([E, out, in]) and {b!r} ([E, in, out]) are stored in "
+            "different orientations in one checkpoint; a transposed tensor in the wrong orientation "
+            "would quantize along the wrong axis: store them all one way",
+        )
     out: dict = {}
     views: dict[str, View] = {}
     for name, entry in inventory.items():
@@ -194,7 +234,9 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
             for k, part in enumerate(PROJ_OUT[proj]):
                 vname = f"{prefix}.{x}.{part}.weight"
                 if vname in inventory:  # (caught above as per-expert duplicates; kept as a guard)
-                    raise FusedError(Refusal.BOTH_FORMS, f"tensor {vname!r} exists beside fused {name!r}; keep one form")
+                    raise FusedError(
+                        Refusal.BOTH_FORMS, f"tensor {vname!r} exists beside fused {name!r}; keep one form"
+                    )
                 out[vname] = (dtype, (rows, cols))
                 views[vname] = View(name, x, k * rows, (k + 1) * rows, o)
     return out, views
@@ -205,14 +247,18 @@ def keep_patterns(patterns: tuple[str, ...], views: dict[str, View]) -> tuple[st
     as the user sees it in the checkpoint) and no per-expert tensor replaced by ``<prefix>.experts.*``
     for the layers it names: a MoE layer is kept or quantized whole, so that keeps the layer's experts."""
     import fnmatch
+
     sources = sorted({v.source for v in views.values()})
     out: list[str] = []
     for p in patterns:
         if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n[: -len(".weight")], p) for n in views):
             out.append(p)
             continue
-        hit = [n for n in sources if fnmatch.fnmatchcase(n, p) or
-               (n.endswith(".weight") and fnmatch.fnmatchcase(n[: -len(".weight")], p))]
+        hit = [
+            n
+            for n in sources
+            if fnmatch.fnmatchcase(n, p) or (n.endswith(".weight") and fnmatch.fnmatchcase(n[: -len(".weight")], p))
+        ]
         prefixes = sorted({FUSED_RE.match(n).group("prefix") for n in hit})
         out += [f"{x}.*" for x in prefixes] if prefixes else [p]
     return tuple(dict.fromkeys(out))
@@ -224,16 +270,18 @@ def plan_note(views: dict[str, View]) -> str | None:
         return None
     n = len({v.source for v in views.values()})
     form = "[E, out, in]" if next(iter(views.values())).orientation == OUT_IN else "[E, in, out] (transposed)"
-    return (f"{n} fused expert tensors ({form}) read per expert and written as experts.{{e}}.gate_proj/up_proj/"
-            "down_proj, the names engines load (docs/formats.md#fused-expert-tensors)")
+    return (
+        f"{n} fused expert tensors ({form}) read per expert and written as experts.{{e}}.gate_proj/up_proj/"
+        "down_proj, the names engines load (docs/formats.md#fused-expert-tensors)"
+    )
 
 
 def view(fused, v: View):
     """Expert ``v.expert``'s [out, in] matrix of tensor ``fused`` as a contiguous tensor (a copy
     where the fused tensor is stored [E, in, out])."""
     if v.orientation == OUT_IN:
-        return fused[v.expert, v.start:v.stop, :].contiguous()
-    return fused[v.expert, :, v.start:v.stop].t().contiguous()
+        return fused[v.expert, v.start : v.stop, :].contiguous()
+    return fused[v.expert, :, v.start : v.stop].t().contiguous()
 
 
 def split_named(name: str, tensor, config: dict, expected_orientation: str = OUT_IN):
@@ -247,8 +295,11 @@ def split_named(name: str, tensor, config: dict, expected_orientation: str = OUT
     proj = m.group("proj")
     if expected_orientation not in _orientations(proj, tuple(tensor.shape), e, h, i):
         want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
-        raise FusedError(Refusal.SHAPE, f"refit: tensor {name!r} has shape {list(tensor.shape)}, but the reference config.json "
-                        f"implies {list(want)} (transformers' [experts, out, in]); pass the model's own parameters")
+        raise FusedError(
+            Refusal.SHAPE,
+            f"refit: tensor {name!r} has shape {list(tensor.shape)}, but the reference config.json "
+            f"implies {list(want)} (transformers' [experts, out, in]); pass the model's own parameters",
+        )
     rows = i if proj == "gate_up_proj" else h
     out = []
     for x in range(e):
@@ -326,6 +377,7 @@ def _merged_job(parts: list, views: dict[str, View], Job):
                 done[k] = p.fn({s: view(src[views[s].source], views[s]) if s in views else src[s] for s in p.sources})
             except QConvertError as e:  # name the tensor the user has, not the per-expert view
                 raise type(e)(_source_words(str(e), p.sources, views)) from None
+
         # the per-expert jobs side by side, one per core, as the split checkpoint's jobs run (CPU;
         # on a job thread kernels.workers() is 1 and they run in turn)
         parallel = kernels.workers() > 1 and not any(p.device_input for p in parts) and len(parts) > 1
@@ -334,9 +386,16 @@ def _merged_job(parts: list, views: dict[str, View], Job):
         for d in done:
             result.update(d)
         return result
+
     fmt = parts[0].fmt
-    return Job(sources, [o for p in parts for o in p.outputs], fn, fmt,
-               device_input=any(p.device_input for p in parts), parts=parts)
+    return Job(
+        sources,
+        [o for p in parts for o in p.outputs],
+        fn,
+        fmt,
+        device_input=any(p.device_input for p in parts),
+        parts=parts,
+    )
 
 
 def split_stream(named_tensors, config: dict, views: dict[str, View]):
@@ -353,6 +412,7 @@ def source_entries(entries: dict, config: dict, config_path=None) -> tuple[dict,
     fused expert tensor replaced by entries of its per-expert matrices, and their views (verify,
     inspect)."""
     from types import SimpleNamespace
+
     inv, views = expand({n: (e.dtype, tuple(e.shape)) for n, e in entries.items()}, config, config_path)
     if not views:
         return entries, {}
@@ -360,9 +420,12 @@ def source_entries(entries: dict, config: dict, config_path=None) -> tuple[dict,
     for n, (dtype, shape) in inv.items():
         if n in views:
             full = entries[views[n].source]
-            out[n] = SimpleNamespace(name=n, dtype=dtype, shape=shape,
-                                     nbytes=full.nbytes // (full.shape[0] * full.shape[1] * full.shape[2])
-                                     * shape[0] * shape[1])
+            out[n] = SimpleNamespace(
+                name=n,
+                dtype=dtype,
+                shape=shape,
+                nbytes=full.nbytes // (full.shape[0] * full.shape[1] * full.shape[2]) * shape[0] * shape[1],
+            )
         else:
             out[n] = entries[n]
     return out, views

@@ -34,6 +34,7 @@ from .safetensors_io import ShardReader
 @dataclass
 class Job:
     """Turns source tensors into output tensors; ``outputs`` is known before any byte is read."""
+
     sources: list[str]
     outputs: list[dialects.OutTensor]
     fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -47,6 +48,7 @@ class Job:
 class BuiltJobs:
     """What :func:`build_jobs` decided: the jobs, and the scheme of each MoE layer written in a
     kernel layout (HF experts prefix -> scheme; empty without ``--layout``)."""
+
     jobs: list[Job]
     layout_layers: dict[str, str] = field(default_factory=dict)
     #: a quantized source (fp8_source.Fp8BlockSource) the jobs decode, None for BF16 sources
@@ -91,8 +93,10 @@ def quantize_nvfp4_group(xs: dict[str, torch.Tensor], check: bool, recipe: str, 
         finite = bool(torch.isfinite(g)) if check else True  # a host sync: only when it is asked for
     if check and not finite:
         raise non_finite_error(next(n for n, a in amaxes.items() if not bool(np.isfinite(float(a)))))
-    return g, {n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
-               for n, x in xs.items()}
+    return g, {
+        n: nvfp4_quantize(x, global_amax=g, recipe=recipe, workers=kernels.workers(), blocks_fn=blocks_fn)
+        for n, x in xs.items()
+    }
 
 
 #: Devices on which tensors of one shape (a layer's experts) are quantized to MXFP8 as one stack:
@@ -126,6 +130,7 @@ def mxfp8_stack_job(jobs: list[Job], device: str, check: bool) -> Job:
             out[j.outputs[0].name] = q[i]
             out[j.outputs[1].name] = s[i]
         return out
+
     return Job(names, [o for j in jobs for o in j.outputs], fn, "mxfp8", device_input=device != "cpu")
 
 
@@ -135,6 +140,7 @@ def keep_job(name: str, dtype: torch.dtype, shape: tuple, check: bool) -> Job:
         if check:
             check_finite(name, t)
         return {name: t}
+
     return Job([name], [dialects.OutTensor(name, dtype, tuple(shape), "bf16")], fn, "bf16")
 
 
@@ -148,6 +154,7 @@ def mxfp8_job(tp, dialect: str, device: str, check: bool) -> Job:
             x = x.to(device, non_blocking=True)
         q, s = quantize_mxfp8(tp.name, x, check, blocks_fn)
         return {outs[0].name: q, outs[1].name: s}  # the writer thread copies device tensors back
+
     return Job([tp.name], outs, fn, "mxfp8", device_input=device != "cpu")
 
 
@@ -177,16 +184,25 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
                 dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
                 result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
         return result
-    return Job([tp.name for tp in members], [o for tp in members for o in outs_of[tp.name]], fn, "nvfp4",
-               device_input=device != "cpu")
+
+    return Job(
+        [tp.name for tp in members],
+        [o for tp in members for o in outs_of[tp.name]],
+        fn,
+        "nvfp4",
+        device_input=device != "cpu",
+    )
 
 
 def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
     """Calibrated activation scales (decode convention) from an existing NVFP4 checkpoint."""
     root = Path(path).expanduser()
     if not root.is_dir() or not any(root.glob("*.safetensors")):
-        raise CheckpointError(f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files")
+        raise CheckpointError(
+            f"{root}: --input-scales-from needs a directory with an NVFP4 checkpoint's .safetensors files"
+        )
     from .checkpoint import open_checkpoint
+
     found: dict[str, torch.Tensor] = {}
     for h in open_checkpoint(root, strict=False, require_config=False).shards:  # guarded, headers validated
         f = h.path
@@ -197,7 +213,9 @@ def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
             for n in names:
                 e = h.entries[n]
                 if e.dtype not in ("F32", "BF16", "F16") or len(e.shape) > 1 or (e.shape and e.shape[0] != 1):
-                    raise CheckpointError(f"{f}: tensor {n!r} has dtype {e.dtype} shape {list(e.shape)}; expected a scalar fp32 input scale")
+                    raise CheckpointError(
+                        f"{f}: tensor {n!r} has dtype {e.dtype} shape {list(e.shape)}; expected a scalar fp32 input scale"
+                    )
                 v = r.read(n).float().reshape(())
                 if n.endswith(".input_global_scale"):
                     mod, v = n[: -len(".input_global_scale")], 1.0 / v
@@ -207,11 +225,15 @@ def load_input_scales(path: str, modules: list[str]) -> dict[str, torch.Tensor]:
                     raise CheckpointError(f"{f}: input scale {n!r} is {v.item()}; expected a finite positive value")
                 found[mod] = v
     if not found:
-        raise CheckpointError(f"{root}: holds no input_scale / input_global_scale tensors; it is not a W4A4 NVFP4 checkpoint")
+        raise CheckpointError(
+            f"{root}: holds no input_scale / input_global_scale tensors; it is not a W4A4 NVFP4 checkpoint"
+        )
     missing = [m for m in modules if m not in found]
     if missing:
-        raise CheckpointError(f"{root}: no input scale for {missing[0]!r} ({len(missing)} of {len(modules)} modules missing); "
-                              "the checkpoints differ in architecture or exclusions")
+        raise CheckpointError(
+            f"{root}: no input scale for {missing[0]!r} ({len(missing)} of {len(modules)} modules missing); "
+            "the checkpoints differ in architecture or exclusions"
+        )
     return {m: found[m] for m in modules}
 
 
@@ -220,6 +242,7 @@ def build_jobs(plan: Plan, scheme: str, dialect: str, opts: ConvertOptions) -> B
     a job needs, so a checkpoint's header or a trainer's tensor list serve alike), one job per
     output group. ``scheme`` is ``opts.scheme``."""
     from .safetensors_io import DTYPES
+
     jobs = []
     check = not opts.allow_non_finite
     input_scales = None
@@ -273,6 +296,7 @@ def out_nbytes(o: dialects.OutTensor) -> int:
 
 def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
     from .safetensors_io import DTYPES
+
     entries = ckpt.tensors
 
     def nbytes(s):  # a per-expert view of a fused tensor (fused.py) is not in the checkpoint
@@ -280,12 +304,22 @@ def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
             return entries[s].nbytes
         t = plan.tensors[s]
         return int(np.prod(t.shape)) * DTYPES[t.dtype][0].itemsize
+
     rows = []
     for j in (part for job in jobs for part in (job.parts or [job])):
         tp = plan.tensors[j.sources[0]]
-        rows.append(PlanRow(tp.module or tp.name, tp.action, j.fmt, tp.shape,
-                            sum(nbytes(s) for s in j.sources), sum(out_nbytes(o) for o in j.outputs), tp.reason,
-                            tuple(j.sources)))
+        rows.append(
+            PlanRow(
+                tp.module or tp.name,
+                tp.action,
+                j.fmt,
+                tp.shape,
+                sum(nbytes(s) for s in j.sources),
+                sum(out_nbytes(o) for o in j.outputs),
+                tp.reason,
+                tuple(j.sources),
+            )
+        )
     return rows
 
 
@@ -303,9 +337,9 @@ def source_for_outputs(j: Job) -> list[str]:
     return out
 
 
-
-def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int, ep: int, opts,
-                  input_scales: dict | None) -> Job:
+def moe_layer_job(
+    prefix: str, members: list, scheme: str, engine: str, tp: int, ep: int, opts, input_scales: dict | None
+) -> Job:
     """A pipeline Job for one MoE layer. ``scheme`` is this layer's format (bf16 for kept layers)."""
     experts: dict[int, dict[str, object]] = {}
     for t in members:
@@ -317,8 +351,10 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
     i, h = experts[0]["gate_proj"].shape
     w4a4 = scheme == "nvfp4"
     if scheme == "nvfp4" and opts.input_mode == "weight-only":
-        raise QConvertError("--layout flashinfer-trtllm with NVFP4 needs activation scales (the TRT-LLM NVFP4 MoE "
-                            "kernels are W4A4): add --input-scale unit or --input-scales-from CKPT")
+        raise QConvertError(
+            "--layout flashinfer-trtllm with NVFP4 needs activation scales (the TRT-LLM NVFP4 MoE "
+            "kernels are W4A4): add --input-scale unit or --input-scales-from CKPT"
+        )
     trtllm.check_parallel_sizes(tp, ep)
     try:
         specs = rank_specs(scheme, engine, n_exp, i, h, tp, ep, w4a4)
@@ -329,8 +365,9 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
         raise trtllm.LayoutError(f"{prefix}: {msg}") from None
     if sorted(specs) != [(r, q) for r in range(tp) for q in range(ep)] or not all(specs.values()):
         # every rank, each with tensors: the layer's experts are replaced by these outputs only
-        raise trtllm.LayoutError(f"{prefix}: internal: ranks {sorted(specs)} for --tp {tp} --ep {ep}; "
-                                 "no expert tensor may be dropped")
+        raise trtllm.LayoutError(
+            f"{prefix}: internal: ranks {sorted(specs)} for --tp {tp} --ep {ep}; no expert tensor may be dropped"
+        )
     outputs = []
     for (r, q), params in specs.items():
         tag = rank_tag(r, q, tp, ep)
@@ -342,8 +379,11 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
     blocks_fn = kernels.blocks_fn(scheme, device) if scheme != "bf16" else None
     per_rank = n_exp // ep
     # NVFP4's per-rank scalars (a max over the rank's experts); every other output is per expert
-    scalars = set(trtllm.nvfp4_scalars(engine, torch.ones(1, 2), torch.ones(1), torch.ones(1, 2), torch.ones(1))
-                  ) if scheme == "nvfp4" else set()
+    scalars = (
+        set(trtllm.nvfp4_scalars(engine, torch.ones(1, 2), torch.ones(1), torch.ones(1, 2), torch.ones(1)))
+        if scheme == "nvfp4"
+        else set()
+    )
 
     def get(src, e, p):
         x = src[experts[e][p].name]
@@ -362,26 +402,41 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
                 for e in es:
                     for p in ("gate_proj", "up_proj", "down_proj"):
                         check_finite(experts[e][p].name, src[experts[e][p].name])
-            return {"w13_weight": stack13([(get(src, e, "gate_proj"), get(src, e, "up_proj")) for e in es]),
-                    "w2_weight": torch.stack([get(src, e, "down_proj") for e in es])}
+            return {
+                "w13_weight": stack13([(get(src, e, "gate_proj"), get(src, e, "up_proj")) for e in es]),
+                "w2_weight": torch.stack([get(src, e, "down_proj") for e in es]),
+            }
         if scheme == "mxfp8" and device in STACKED_DEVICES:  # one launch per projection, not per expert
-            st = {p: quantize_mxfp8_stacked([experts[e][p].name for e in es], [get(src, e, p) for e in es], check,
-                                            blocks_fn) for p in ("gate_proj", "up_proj", "down_proj")}
-            return {"w13_weight": torch.cat([st["gate_proj"][0], st["up_proj"][0]], dim=1),
-                    "w13_weight_scale": torch.cat([st["gate_proj"][1], st["up_proj"][1]], dim=1),
-                    "w2_weight": st["down_proj"][0], "w2_weight_scale": st["down_proj"][1]}
+            st = {
+                p: quantize_mxfp8_stacked(
+                    [experts[e][p].name for e in es], [get(src, e, p) for e in es], check, blocks_fn
+                )
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
+            return {
+                "w13_weight": torch.cat([st["gate_proj"][0], st["up_proj"][0]], dim=1),
+                "w13_weight_scale": torch.cat([st["gate_proj"][1], st["up_proj"][1]], dim=1),
+                "w2_weight": st["down_proj"][0],
+                "w2_weight_scale": st["down_proj"][1],
+            }
         if scheme == "mxfp8":
-            q = {(e, p): quantize_mxfp8(experts[e][p].name, get(src, e, p), check, blocks_fn)
-                 for e in es for p in ("gate_proj", "up_proj", "down_proj")}
-            return {"w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in es]),
-                    "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in es]),
-                    "w2_weight": torch.stack([q[e, "down_proj"][0] for e in es]),
-                    "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in es])}
+            q = {
+                (e, p): quantize_mxfp8(experts[e][p].name, get(src, e, p), check, blocks_fn)
+                for e in es
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
+            return {
+                "w13_weight": stack13([(q[e, "gate_proj"][0], q[e, "up_proj"][0]) for e in es]),
+                "w13_weight_scale": stack13([(q[e, "gate_proj"][1], q[e, "up_proj"][1]) for e in es]),
+                "w2_weight": torch.stack([q[e, "down_proj"][0] for e in es]),
+                "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in es]),
+            }
         p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
         for e in es:  # gate and up of each expert share one global scale
             gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
-            _, qgu = quantize_nvfp4_group({gate: get(src, e, "gate_proj"), up: get(src, e, "up_proj")}, check,
-                                          opts.recipe, blocks_fn)
+            _, qgu = quantize_nvfp4_group(
+                {gate: get(src, e, "gate_proj"), up: get(src, e, "up_proj")}, check, opts.recipe, blocks_fn
+            )
             p13.append(torch.cat([qgu[gate][0], qgu[up][0]]))
             s13.append(torch.cat([qgu[gate][1], qgu[up][1]]))
             ws13.append(qgu[gate][2])
@@ -389,26 +444,47 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
             p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
         ws13_t = torch.stack(ws13)
         if input_scales is not None:
-            a13 = torch.stack([torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")])
-                               for e in es])
+            a13 = torch.stack(
+                [torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")]) for e in es]
+            )
             a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in es])
         else:
             a13, a2 = torch.ones(len(es), 2), torch.ones(len(es))
         dev = p13[0].device
-        return {"w13_weight": torch.stack(p13), "w13_weight_scale": torch.stack(s13),
-                "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1), "w2_weight": torch.stack(p2),
-                "w2_weight_scale": torch.stack(s2), "w2_weight_scale_2": torch.stack(ws2),
-                "w13_input_scale": a13.to(dev), "w2_input_scale": a2.to(dev)}
+        return {
+            "w13_weight": torch.stack(p13),
+            "w13_weight_scale": torch.stack(s13),
+            "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1),
+            "w2_weight": torch.stack(p2),
+            "w2_weight_scale": torch.stack(s2),
+            "w2_weight_scale_2": torch.stack(ws2),
+            "w13_input_scale": a13.to(dev),
+            "w2_input_scale": a2.to(dev),
+        }
 
     def fn(src):
         # Experts are laid out chunk by chunk (the layout moves rows within each expert; only
         # NVFP4's scalars span a rank's experts), each chunk into its slice of the outputs, the
         # chunks side by side on all cores (CPU), as the plain jobs run one per core.
         # on the job's device: a GPU job's outputs leave it once, whole (the writer / refit copy)
-        out = {rq: {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in params
-                    if name not in scalars} for rq, params in specs.items()}
-        per_expert = {"w13_weight_scale_2": (n_exp, 2), "w2_weight_scale_2": (n_exp,), "w13_input_scale": (n_exp, 2),
-                      "w2_input_scale": (n_exp,)} if scalars else {}
+        out = {
+            rq: {
+                name: torch.empty(shape, dtype=dtype, device=device)
+                for name, dtype, shape in params
+                if name not in scalars
+            }
+            for rq, params in specs.items()
+        }
+        per_expert = (
+            {
+                "w13_weight_scale_2": (n_exp, 2),
+                "w2_weight_scale_2": (n_exp,),
+                "w13_input_scale": (n_exp, 2),
+                "w2_input_scale": (n_exp,),
+            }
+            if scalars
+            else {}
+        )
         nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}
 
         def chunk(c0: int, c1: int):
@@ -419,18 +495,28 @@ def moe_layer_job(prefix: str, members: list, scheme: str, engine: str, tp: int,
             for (r, _), params in trtllm.transform_moe_layer(plain, scheme, engine, tp=tp, ep=1).items():
                 for name, t in params.items():
                     if name not in scalars:
-                        out[(r, q)][name][c0 - base:c1 - base].copy_(t)
+                        out[(r, q)][name][c0 - base : c1 - base].copy_(t)
 
         parallel = device == "cpu" and kernels.workers() > 1
         size = max(1, -(-n_exp // (2 * kernels.workers()))) if parallel else per_rank
-        run_all(chunk, [(c0, min(c0 + size, q * per_rank + per_rank)) for q in range(ep)
-                        for c0 in range(q * per_rank, (q + 1) * per_rank, size)], parallel)
-        for (r, q) in out:
+        run_all(
+            chunk,
+            [
+                (c0, min(c0 + size, q * per_rank + per_rank))
+                for q in range(ep)
+                for c0 in range(q * per_rank, (q + 1) * per_rank, size)
+            ],
+            parallel,
+        )
+        for r, q in out:
             if scalars:
                 e0, e1 = q * per_rank, (q + 1) * per_rank
                 out[(r, q)].update(trtllm.nvfp4_scalars(engine, *(nv[k][e0:e1] for k in per_expert)))
-        return {f"{prefix}.{rank_tag(r, q, tp, ep)}.{name}": t.contiguous() for (r, q), params in out.items()
-                for name, t in params.items()}
+        return {
+            f"{prefix}.{rank_tag(r, q, tp, ep)}.{name}": t.contiguous()
+            for (r, q), params in out.items()
+            for name, t in params.items()
+        }
 
     return Job(order, outputs, fn, f"{scheme}+trtllm")
 
@@ -443,8 +529,11 @@ def run_all(fn, args: list[tuple], parallel: bool) -> None:
         for a in args:
             fn(*a)
         return
-    pool = ThreadPoolExecutor(min(kernels.workers(), len(args)), thread_name_prefix="qconvert-layout",
-                              initializer=kernels.single_threaded_job_thread)
+    pool = ThreadPoolExecutor(
+        min(kernels.workers(), len(args)),
+        thread_name_prefix="qconvert-layout",
+        initializer=kernels.single_threaded_job_thread,
+    )
     try:
         futures = [pool.submit(fn, *a) for a in args]
         for f in futures:

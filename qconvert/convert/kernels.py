@@ -78,6 +78,7 @@ def cuda_quantizer(device: str) -> str:
         raise QConvertError(f"QCONVERT_CUDA_QUANTIZER={choice!r}: expected one of {', '.join(CUDA_QUANTIZERS)}")
     if choice == "triton":
         from .numerics import cuda_kernels
+
         if not cuda_kernels.available(device):
             choice = "eager"
     return choice
@@ -91,13 +92,16 @@ def blocks_fn(scheme: str, device: str):
     choice = cuda_quantizer(device)
     if choice == "triton":
         from .numerics import cuda_kernels
+
         return cuda_kernels.mxfp8_blocks if scheme == "mxfp8" else cuda_kernels.nvfp4_blocks
     if choice == "eager":
         return None
     if scheme == "mxfp8":
         from .numerics.mxfp8 import compiled_mxfp8_blocks
+
         return compiled_mxfp8_blocks()
     from .numerics.nvfp4 import compiled_nvfp4_blocks
+
     return compiled_nvfp4_blocks()
 
 

@@ -48,23 +48,33 @@ def expert_layers(plan) -> dict[str, list]:
         if m:
             out.setdefault(m.group("prefix"), []).append(t)
         elif t.kind == "expert":
-            raise QConvertError(f"tensor {t.name!r}: --layout flashinfer-trtllm supports gate_proj/up_proj/down_proj experts only")
+            raise QConvertError(
+                f"tensor {t.name!r}: --layout flashinfer-trtllm supports gate_proj/up_proj/down_proj experts only"
+            )
     return out
 
 
 def _placeholder_plain(scheme: str, e: int, i: int, h: int, input_scales: bool) -> dict[str, torch.Tensor]:
     def m(shape, dtype):
         return torch.zeros(shape, dtype=dtype)
+
     if scheme == "bf16":
         return {"w13_weight": m((e, 2 * i, h), torch.bfloat16), "w2_weight": m((e, h, i), torch.bfloat16)}
     if scheme == "mxfp8":
-        return {"w13_weight": m((e, 2 * i, h), torch.float8_e4m3fn), "w2_weight": m((e, h, i), torch.float8_e4m3fn),
-                "w13_weight_scale": torch.full((e, 2 * i, h // MXFP8_BLOCK), 127, dtype=torch.uint8),
-                "w2_weight_scale": torch.full((e, h, i // MXFP8_BLOCK), 127, dtype=torch.uint8)}
-    p = {"w13_weight": m((e, 2 * i, h // 2), torch.uint8), "w2_weight": m((e, h, i // 2), torch.uint8),
-         "w13_weight_scale": m((e, 2 * i, h // NVFP4_BLOCK), torch.float8_e4m3fn),
-         "w2_weight_scale": m((e, h, i // NVFP4_BLOCK), torch.float8_e4m3fn),
-         "w13_weight_scale_2": torch.ones(e, 2), "w2_weight_scale_2": torch.ones(e)}
+        return {
+            "w13_weight": m((e, 2 * i, h), torch.float8_e4m3fn),
+            "w2_weight": m((e, h, i), torch.float8_e4m3fn),
+            "w13_weight_scale": torch.full((e, 2 * i, h // MXFP8_BLOCK), 127, dtype=torch.uint8),
+            "w2_weight_scale": torch.full((e, h, i // MXFP8_BLOCK), 127, dtype=torch.uint8),
+        }
+    p = {
+        "w13_weight": m((e, 2 * i, h // 2), torch.uint8),
+        "w2_weight": m((e, h, i // 2), torch.uint8),
+        "w13_weight_scale": m((e, 2 * i, h // NVFP4_BLOCK), torch.float8_e4m3fn),
+        "w2_weight_scale": m((e, h, i // NVFP4_BLOCK), torch.float8_e4m3fn),
+        "w13_weight_scale_2": torch.ones(e, 2),
+        "w2_weight_scale_2": torch.ones(e),
+    }
     if input_scales:
         p["w13_input_scale"] = torch.ones(e, 2)
         p["w2_input_scale"] = torch.ones(e)
@@ -74,12 +84,18 @@ def _placeholder_plain(scheme: str, e: int, i: int, h: int, input_scales: bool) 
 _SPEC_CACHE: dict[tuple, dict] = {}
 
 
-def rank_specs(scheme, engine, e, i, h, tp, ep, input_scales) -> dict[tuple[int, int], list[tuple[str, torch.dtype, tuple]]]:
+def rank_specs(
+    scheme, engine, e, i, h, tp, ep, input_scales
+) -> dict[tuple[int, int], list[tuple[str, torch.dtype, tuple]]]:
     """Output (param, dtype, shape) per rank, found by transforming placeholder tensors once per shape."""
     key = (scheme, engine, e, i, h, tp, ep, input_scales)
     if key not in _SPEC_CACHE:
-        ranks = trtllm.transform_moe_layer(_placeholder_plain(scheme, e, i, h, input_scales), scheme, engine, tp=tp, ep=ep)
-        _SPEC_CACHE[key] = {rq: [(k, v.dtype, tuple(v.shape)) for k, v in params.items()] for rq, params in ranks.items()}
+        ranks = trtllm.transform_moe_layer(
+            _placeholder_plain(scheme, e, i, h, input_scales), scheme, engine, tp=tp, ep=ep
+        )
+        _SPEC_CACHE[key] = {
+            rq: [(k, v.dtype, tuple(v.shape)) for k, v in params.items()] for rq, params in ranks.items()
+        }
     return _SPEC_CACHE[key]
 
 
@@ -90,10 +106,16 @@ def layout_manifest(plan, layer_schemes: dict[str, str], engine: str, tp: int, e
         if scheme in contracts:
             continue
         first = next(t for t in plan.tensors.values() if t.name.startswith(prefix + ".0.gate_proj."))
-        e = len({t.name.split(".experts.")[1].split(".")[0] for t in plan.tensors.values()
-                 if t.name.startswith(prefix + ".")})
-        contracts[scheme] = trtllm.kernel_layout_contract(scheme, engine, num_experts=e, intermediate_size=first.shape[0],
-                                                   hidden_size=first.shape[1], tp=tp, ep=ep)
+        e = len(
+            {
+                t.name.split(".experts.")[1].split(".")[0]
+                for t in plan.tensors.values()
+                if t.name.startswith(prefix + ".")
+            }
+        )
+        contracts[scheme] = trtllm.kernel_layout_contract(
+            scheme, engine, num_experts=e, intermediate_size=first.shape[0], hidden_size=first.shape[1], tp=tp, ep=ep
+        )
     return {
         "name": trtllm.LAYOUT_NAME,
         "engine": engine,

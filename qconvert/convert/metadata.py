@@ -25,9 +25,20 @@ def _write_json(path: Path, obj):
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers: dict[str, str], scheme: str,
-                   dialect: str, tmp: Path, opts: ConvertOptions, input_sha: dict, output_sha: dict,
-                   created: str | None = None, source=None):
+def write_metadata(
+    ckpt: Checkpoint,
+    plan: Plan,
+    jobs: list[Job],
+    layout_layers: dict[str, str],
+    scheme: str,
+    dialect: str,
+    tmp: Path,
+    opts: ConvertOptions,
+    input_sha: dict,
+    output_sha: dict,
+    created: str | None = None,
+    source=None,
+):
     """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
     config, extra = output_config(ckpt.config, plan, scheme, dialect, opts)
     _write_json(tmp / "config.json", config)
@@ -41,8 +52,9 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
             for o, s in zip(j.outputs, source_for_outputs(j)):
                 weight_map[o.name] = ckpt.shards[shard_of[s]].path.name
                 total += out_nbytes(o)
-        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
-                                       "weight_map": dict(sorted(weight_map.items()))})
+        _write_json(
+            tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        )
     for d in ckpt.extra_dirs:  # folders of SRC (sentence-transformers' 1_Pooling/, 2_Normalize/, ...)
         (tmp / d.relative_to(ckpt.root)).mkdir(parents=True, exist_ok=True)
     for p in ckpt.extra_files:  # files of SRC, subfolders too, guarded (checkpoint.extra_members)
@@ -51,27 +63,52 @@ def write_metadata(ckpt: Checkpoint, plan: Plan, jobs: list[Job], layout_layers:
     layout = None
     if opts.layout:
         from .layout_jobs import layout_manifest
+
         layout = layout_manifest(plan, layout_layers, opts.engine, opts.tp, opts.ep)
     manifest = _manifest.build(
-        version=__version__, created=created or _resume.created_timestamp(), scheme=scheme, dialect=dialect,
-        source={"id": ckpt.source_id, "revision": ckpt.revision, "architecture": plan.arch_name,
-                "sha256": {n: d for n, d in input_sha.items() if d},
-                **({} if all(input_sha.values()) else
-                   {"sha256_note": "not recorded (--no-checksums)" if not opts.output_checksums
-                    else "not recorded (--no-source-checksums)"}),
-                **({} if source is None else {"quantized": source.manifest()})},
+        version=__version__,
+        created=created or _resume.created_timestamp(),
+        scheme=scheme,
+        dialect=dialect,
+        source={
+            "id": ckpt.source_id,
+            "revision": ckpt.revision,
+            "architecture": plan.arch_name,
+            "sha256": {n: d for n, d in input_sha.items() if d},
+            **(
+                {}
+                if all(input_sha.values())
+                else {
+                    "sha256_note": "not recorded (--no-checksums)"
+                    if not opts.output_checksums
+                    else "not recorded (--no-source-checksums)"
+                }
+            ),
+            **({} if source is None else {"quantized": source.manifest()}),
+        },
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts.plan).items()},
-        non_finite_allowed=opts.allow_non_finite, bf16_layers=plan.bf16_layers, exclusions=plan.exclusions,
-        output_sha=output_sha, output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",
-        scheme_keys=scheme_keys(scheme, dialect, opts), layout=layout, tensors=module_formats(plan, scheme, source))
+        non_finite_allowed=opts.allow_non_finite,
+        bf16_layers=plan.bf16_layers,
+        exclusions=plan.exclusions,
+        output_sha=output_sha,
+        output_note=None if all(output_sha.values()) else "not recorded (--no-checksums)",
+        scheme_keys=scheme_keys(scheme, dialect, opts),
+        layout=layout,
+        tensors=module_formats(plan, scheme, source),
+    )
     _write_json(tmp / MANIFEST_NAME, manifest)
 
 
 def scheme_keys(scheme: str, dialect: str, opts: ConvertOptions) -> dict:
     """The manifest's keys that say how the scheme was applied (recipe, scale rule, activations)."""
-    return _manifest.scheme_keys(scheme, dialect, recipe=opts.recipe,
-                                 global_div=int(global_div(opts.recipe)) if scheme == "nvfp4" else None,
-                                 input_mode=opts.input_mode, input_scales_from=opts.input_scales_from)
+    return _manifest.scheme_keys(
+        scheme,
+        dialect,
+        recipe=opts.recipe,
+        global_div=int(global_div(opts.recipe)) if scheme == "nvfp4" else None,
+        input_mode=opts.input_mode,
+        input_scales_from=opts.input_scales_from,
+    )
 
 
 def module_formats(plan: Plan, scheme: str, source=None) -> dict:
@@ -80,8 +117,11 @@ def module_formats(plan: Plan, scheme: str, source=None) -> dict:
     for tp in plan.tensors.values():
         if tp.module is None:
             continue
-        out[tp.module] = {"format": scheme if tp.action == QUANTIZE else "bf16", "shape": list(tp.shape),
-                          "reason": tp.reason}
+        out[tp.module] = {
+            "format": scheme if tp.action == QUANTIZE else "bf16",
+            "shape": list(tp.shape),
+            "reason": tp.reason,
+        }
         if source is not None and tp.module in source.paths:
             out[tp.module]["source_path"] = source.paths[tp.module]
     return out

@@ -52,8 +52,10 @@ def resolve_scheme(scheme: str | None, opts: ConvertOptions | None) -> ConvertOp
     if opts is None:
         return ConvertOptions(scheme=scheme or "mxfp8")
     if scheme is not None and scheme != opts.scheme:
-        raise QConvertError(f"convert(): scheme {scheme!r} disagrees with ConvertOptions.scheme {opts.scheme!r}; "
-                            "state the scheme once, in ConvertOptions(scheme=...)")
+        raise QConvertError(
+            f"convert(): scheme {scheme!r} disagrees with ConvertOptions.scheme {opts.scheme!r}; "
+            "state the scheme once, in ConvertOptions(scheme=...)"
+        )
     opts._sync_plan()
     return opts
 

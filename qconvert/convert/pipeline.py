@@ -9,6 +9,20 @@ from .jobs import BuiltJobs, Job, build_jobs, load_input_scales, plan_rows
 from .kernels import CPU_WORKERS, CUDA_QUANTIZERS, HASH_STREAMS, cuda_quantizer
 from .options import ConvertOptions, ConvertResult, PlanRow
 
-__all__ = ["BuiltJobs", "CPU_WORKERS", "CUDA_QUANTIZERS", "ConvertOptions", "ConvertResult", "HASH_STREAMS", "Job",
-           "MANIFEST_NAME", "PlanRow", "build_jobs", "convert", "cuda_quantizer", "load_input_scales", "plan_rows",
-           "prepare"]
+__all__ = [
+    "BuiltJobs",
+    "CPU_WORKERS",
+    "CUDA_QUANTIZERS",
+    "ConvertOptions",
+    "ConvertResult",
+    "HASH_STREAMS",
+    "Job",
+    "MANIFEST_NAME",
+    "PlanRow",
+    "build_jobs",
+    "convert",
+    "cuda_quantizer",
+    "load_input_scales",
+    "plan_rows",
+    "prepare",
+]

@@ -37,6 +37,7 @@ KEEP = "keep"
 class Reason(enum.Enum):
     """Why a tensor is quantized or kept: the decision as a value; the value is the text's template
     (rendered into ``TensorPlan.reason``, which the dry-run plan and the manifest print)."""
+
     NOT_A_WEIGHT = "not a weight"
     NOT_2D = "{ndim}-D"
     EMBEDDING = "embedding"
@@ -65,10 +66,14 @@ FP8_TAGS = {"F8_E4M3", "F8_E5M2", "F8_E8M0"}
 
 _ROUTER_RE = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.shared_expert_gate$")
 _GROUP_MEMBER = {
-    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-    "gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up",
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+    "w1": "gate_up",
+    "w3": "gate_up",
 }
-
 
 
 def index_ranges(nums) -> str:
@@ -82,6 +87,7 @@ def index_ranges(nums) -> str:
         out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
         i = j + 1
     return ",".join(out)
+
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -205,8 +211,10 @@ def _check_layer_count(inventory, config, arch, n_layers, options, config_path, 
     prefix, idx = decoder_layers(inventory, arch)
     where = str(config_path) if config_path else "config.json"
     if flags and not idx:
-        raise PlanError(f"{flags[0]}: no tensor is named …layers.{{i}}.…, so qconvert cannot tell the decoder layers "
-                        "of this checkpoint; use --keep-bf16 patterns")
+        raise PlanError(
+            f"{flags[0]}: no tensor is named …layers.{{i}}.…, so qconvert cannot tell the decoder layers "
+            "of this checkpoint; use --keep-bf16 patterns"
+        )
     if n_layers is None or not idx:
         return
     nextn = config.get("num_nextn_predict_layers") or 0  # DeepSeek-V3-style MTP layers follow the decoder
@@ -214,8 +222,11 @@ def _check_layer_count(inventory, config, arch, n_layers, options, config_path, 
         return
     held = f"{len(idx)} decoder layers ({prefix}.{idx[0]} to {prefix}.{idx[-1]}"
     held += f", {idx[-1] + 1 - len(idx)} missing in between)" if idx[-1] + 1 != len(idx) else ")"
-    msg = (f"{where}: {layer_key(config)} is {n_layers}" + (f" (+{nextn} num_nextn_predict_layers)" if nextn else "")
-           + f" but the weights hold {held}")
+    msg = (
+        f"{where}: {layer_key(config)} is {n_layers}"
+        + (f" (+{nextn} num_nextn_predict_layers)" if nextn else "")
+        + f" but the weights hold {held}"
+    )
     if flags or arch is not None:
         raise PlanError(msg + "; config.json does not describe these weights: restore the original config.json")
     notes.append(msg + "; engines build the config's count, check that config.json belongs to these weights")
@@ -231,8 +242,9 @@ def _head_names(tensors: dict[str, TensorPlan]) -> list[str]:
     return sorted(set(out))
 
 
-def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, options: PlanOptions,
-               config_path=None) -> Plan:
+def build_plan(
+    inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, options: PlanOptions, config_path=None
+) -> Plan:
     """Decide every tensor's fate. ``inventory`` maps tensor name -> (safetensors dtype tag, shape).
     ``config_path`` only names config.json in error messages."""
     if options.scheme not in SCHEME_BLOCK:
@@ -243,15 +255,19 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
     n_layers = num_layers(config)
     notes: list[str] = []
     if arch is None:
-        notes.append(f"architecture {arch_name} is not one qconvert knows; converted by the generic name rules "
-                     "(2-D Linear weights quantized; embeddings, norms, routers, lm_head kept)")
+        notes.append(
+            f"architecture {arch_name} is not one qconvert knows; converted by the generic name rules "
+            "(2-D Linear weights quantized; embeddings, norms, routers, lm_head kept)"
+        )
 
     # Whole-layer BF16 sets.
     for flag, n in (("--last-n-bf16", options.last_n_bf16), ("--first-n-bf16", options.first_n_bf16)):
         if n < 0:
             raise PlanError(f"{flag} must be >= 0, got {n}")
         if n and n_layers is None:
-            raise PlanError(f"{flag} needs num_hidden_layers in config.json, which this model lacks; use --keep-bf16 patterns")
+            raise PlanError(
+                f"{flag} needs num_hidden_layers in config.json, which this model lacks; use --keep-bf16 patterns"
+            )
         if n_layers is not None and n > n_layers:
             raise PlanError(f"{flag} {n} exceeds the model's {n_layers} layers")
     _check_layer_count(inventory, config, arch, n_layers, options, config_path, notes)
@@ -267,20 +283,26 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
         dtype, shape = inventory[name]
         shape = tuple(shape)
         if dtype in FP8_TAGS:  # a kept FP8 tensor would be copied as if it were BF16
-            raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints: "
-                            "dequantize it (or the checkpoint) to BF16 first")
+            raise PlanError(
+                f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints: "
+                "dequantize it (or the checkpoint) to BF16 first"
+            )
         kind, module, layer = classify(name, shape)
         for pat, want, desc in shape_rules:
             if pat.search(name) and shape != want:
-                raise PlanError(f"tensor {name!r} has shape {list(shape)} but config.json implies {list(want)} "
-                                f"({desc}); the weights do not belong to this config.json")
+                raise PlanError(
+                    f"tensor {name!r} has shape {list(shape)} but config.json implies {list(want)} "
+                    f"({desc}); the weights do not belong to this config.json"
+                )
         t = TensorPlan(name, dtype, shape, KEEP, "", module, layer, kind)
         t.group = group_id(t) if kind in ("attn", "mlp", "expert", "shared_expert") else None
         if module is None:
             t.decide(KEEP, Reason.NOT_A_WEIGHT)
         elif len(shape) == 3 and kind != "norm" and ".experts" in name:
-            raise PlanError(f"tensor {name!r} is a fused 3-D expert tensor {list(shape)}; qconvert supports per-expert "
-                            "2-D expert weights (experts.{e}.gate_proj/up_proj/down_proj) only")
+            raise PlanError(
+                f"tensor {name!r} is a fused 3-D expert tensor {list(shape)}; qconvert supports per-expert "
+                "2-D expert weights (experts.{e}.gate_proj/up_proj/down_proj) only"
+            )
         elif len(shape) != 2:
             t.decide(KEEP, Reason.NOT_2D, ndim=len(shape))
         elif kind in _KIND_REASON:
@@ -294,10 +316,15 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
         elif dtype in QUANTIZED_TAGS:
             raise PlanError(f"tensor {name!r} is already quantized ({dtype}); qconvert converts BF16 checkpoints")
         elif dtype not in FLOAT_SOURCE_TAGS:
-            raise PlanError(f"tensor {name!r} has dtype {dtype}, which qconvert cannot quantize; convert the checkpoint to BF16")
+            raise PlanError(
+                f"tensor {name!r} has dtype {dtype}, which qconvert cannot quantize; convert the checkpoint to BF16"
+            )
         elif layer is not None and layer in bf16_layers:
-            t.decide(KEEP, Reason.BF16_LAYER,
-                     which="last" if n_layers and layer >= n_layers - options.last_n_bf16 else "first")
+            t.decide(
+                KEEP,
+                Reason.BF16_LAYER,
+                which="last" if n_layers and layer >= n_layers - options.last_n_bf16 else "first",
+            )
         elif options.experts_only and kind != "expert":
             t.decide(KEEP, Reason.EXPERTS_ONLY)
         elif any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(name, p) for p in options.keep_bf16):
@@ -319,31 +346,41 @@ def build_plan(inventory: dict[str, tuple[str, tuple[int, ...]]], config: dict, 
     has_head = any(t.kind == "lm_head" for t in tensors.values())
     head_names: list[str] = []
     if options.quantize_lm_head and (tied or not has_head):
-        why = ("ties it to the input embedding (tie_word_embeddings: true)" if tied
-               else "has no lm_head tensor (the head is the input embedding)")
-        raise PlanError(f"--quantize-lm-head: {where} {why}; engines use the BF16 embedding as the head "
-                        "(vLLM ties lm_head to embed_tokens), so a quantized head cannot be tied: drop --quantize-lm-head")
+        why = (
+            "ties it to the input embedding (tie_word_embeddings: true)"
+            if tied
+            else "has no lm_head tensor (the head is the input embedding)"
+        )
+        raise PlanError(
+            f"--quantize-lm-head: {where} {why}; engines use the BF16 embedding as the head "
+            "(vLLM ties lm_head to embed_tokens), so a quantized head cannot be tied: drop --quantize-lm-head"
+        )
     if not has_head:
         if tied or (tied is None and arch_name.endswith(("ForCausalLM", "ForConditionalGeneration"))):
             head_names = _head_names(tensors)
-            notes.append(f"the output head is the input embedding (tie_word_embeddings); {', '.join(head_names)} "
-                         "listed as excluded so every engine keeps it BF16")
+            notes.append(
+                f"the output head is the input embedding (tie_word_embeddings); {', '.join(head_names)} "
+                "listed as excluded so every engine keeps it BF16"
+            )
 
     moe_layers = sorted({t.layer for t in tensors.values() if t.kind == "expert" and t.layer is not None})
     _harmonize_groups(tensors, notes)
     _harmonize_experts(tensors, notes)
 
     for p in options.keep_bf16:
-        if not any(fnmatch.fnmatchcase(t.module or "", p) or fnmatch.fnmatchcase(t.name, p) for t in tensors.values()) \
-                and not any(fnmatch.fnmatchcase(h, p) for h in head_names):
+        if not any(
+            fnmatch.fnmatchcase(t.module or "", p) or fnmatch.fnmatchcase(t.name, p) for t in tensors.values()
+        ) and not any(fnmatch.fnmatchcase(h, p) for h in head_names):
             notes.append(f"--keep-bf16 {p!r} matched no tensor")
     if block is not None and not any(t.action == QUANTIZE for t in tensors.values()):
-        raise PlanError("no tensor would be quantized (no 2-D Linear weights with a suitable K outside the kept layers); "
-                        "nothing to convert")
-    exclusions = sorted(set(exclusion_list(tensors, sorted(bf16_layers), options, moe_layers)) | set(head_names),
-                        key=natural_key)
-    return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers,
-                tied)
+        raise PlanError(
+            "no tensor would be quantized (no 2-D Linear weights with a suitable K outside the kept layers); "
+            "nothing to convert"
+        )
+    exclusions = sorted(
+        set(exclusion_list(tensors, sorted(bf16_layers), options, moe_layers)) | set(head_names), key=natural_key
+    )
+    return Plan(options, arch_name, arch, n_layers, tensors, sorted(bf16_layers), exclusions, notes, moe_layers, tied)
 
 
 def _keep_mixed_groups(groups: dict[str, list[TensorPlan]], reason, note) -> list[str]:
@@ -368,8 +405,11 @@ def _harmonize_groups(tensors: dict[str, TensorPlan], notes: list[str]):
         if t.group and t.kind != "expert":
             groups.setdefault(t.group, []).append(t)
     notes += _keep_mixed_groups(
-        groups, lambda m, why: m.decide(KEEP, Reason.FUSED_WITH, module=why.module, why=why.reason),
-        lambda gid, why: f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards")
+        groups,
+        lambda m, why: m.decide(KEEP, Reason.FUSED_WITH, module=why.module, why=why.reason),
+        lambda gid,
+        why: f"{gid}: kept BF16 as a whole because {why.module} is ({why.reason}); engines fuse these shards",
+    )
 
 
 def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
@@ -379,19 +419,23 @@ def _harmonize_experts(tensors: dict[str, TensorPlan], notes: list[str]):
         if t.kind == "expert":
             per_layer.setdefault(t.module.split(".experts.")[0] + ".experts", []).append(t)
     notes += _keep_mixed_groups(
-        per_layer, lambda m, why: m.decide(KEEP, Reason.EXPERTS_OF_LAYER, name=why.name, why=why.reason),
-        lambda gid, why: f"{gid}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format")
+        per_layer,
+        lambda m, why: m.decide(KEEP, Reason.EXPERTS_OF_LAYER, name=why.name, why=why.reason),
+        lambda gid,
+        why: f"{gid}: all experts kept BF16 because {why.name} is ({why.reason}); a MoE layer has one format",
+    )
 
 
-def exclusion_list(tensors: dict[str, TensorPlan], bf16_layers: list[int], options: PlanOptions,
-                   moe_layers: list[int]) -> list[str]:
+def exclusion_list(
+    tensors: dict[str, TensorPlan], bf16_layers: list[int], options: PlanOptions, moe_layers: list[int]
+) -> list[str]:
     """The list written under the config's exclusion keys (docs/formats.md#exclusion-entry-forms)."""
     entries: set[str] = set()
     layer_prefix: dict[int, str] = {}
     for t in tensors.values():
         if t.layer is not None and t.layer in bf16_layers and t.layer not in layer_prefix:
             m = LAYER_RE.match(t.name)
-            layer_prefix[t.layer] = whole_layer_entry(m.group('prefix'), t.layer)
+            layer_prefix[t.layer] = whole_layer_entry(m.group("prefix"), t.layer)
     entries |= set(layer_prefix.values())
     expert_prefixes_kept: set[str] = set()
     expert_prefixes_quant: set[str] = set()

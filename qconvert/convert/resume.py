@@ -78,8 +78,14 @@ def fingerprint(ckpt, scheme: str, dialect: str, opts) -> dict:
     # extra files by their path inside SRC (top-level ones: their name, as before)
     files.update({p.relative_to(ckpt.root).as_posix(): _stat(p) for p in ckpt.extra_files})
     config = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
-    return {"qconvert_version": __version__, "source_id": ckpt.source_id, "revision": ckpt.revision,
-            "config_sha256": config, "options": options, "files": files}
+    return {
+        "qconvert_version": __version__,
+        "source_id": ckpt.source_id,
+        "revision": ckpt.revision,
+        "config_sha256": config,
+        "options": options,
+        "files": files,
+    }
 
 
 def _diff(old, new, path="") -> str | None:
@@ -100,8 +106,16 @@ def _diff(old, new, path="") -> str | None:
 class Partial:
     """The partial output directory of one run, locked, with its journal."""
 
-    def __init__(self, path: Path, lock_fd: int, fp: dict, created: str, inputs: dict[str, str],
-                 outputs: dict[str, dict], notes: list[str]):
+    def __init__(
+        self,
+        path: Path,
+        lock_fd: int,
+        fp: dict,
+        created: str,
+        inputs: dict[str, str],
+        outputs: dict[str, dict],
+        notes: list[str],
+    ):
         self.dir = path
         self._lock_fd = lock_fd
         self.fingerprint = fp
@@ -118,8 +132,13 @@ class Partial:
 
     # -- journal --------------------------------------------------------------------------------
     def _save(self):
-        obj = {"format": JOURNAL_FORMAT, "fingerprint": self.fingerprint, "created": self.created,
-               "inputs": self.inputs, "outputs": self.outputs}
+        obj = {
+            "format": JOURNAL_FORMAT,
+            "fingerprint": self.fingerprint,
+            "created": self.created,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+        }
         tmp = self.dir / (JOURNAL_NAME + ".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -134,8 +153,10 @@ class Partial:
             finally:
                 os.close(dfd)
         except OSError as e:
-            raise OutputError(f"{self.dir / JOURNAL_NAME}: cannot write the resume journal ({e.strerror}); "
-                              "check free space and permissions") from None
+            raise OutputError(
+                f"{self.dir / JOURNAL_NAME}: cannot write the resume journal ({e.strerror}); "
+                "check free space and permissions"
+            ) from None
 
     def input_done(self, name: str, sha: str):
         with self._mu:
@@ -213,8 +234,10 @@ def _lstat(p: Path):
 
 def _not_a_dir(d: Path) -> str:
     # never suggest a command that could delete a link's target
-    return (f"{d}: exists and is not a directory (a symbolic link or a file); qconvert keeps its partial output "
-            "there and does not follow links: move it away or choose another DST")
+    return (
+        f"{d}: exists and is not a directory (a symbolic link or a file); qconvert keeps its partial output "
+        "there and does not follow links: move it away or choose another DST"
+    )
 
 
 def _regular(p: Path) -> bool:
@@ -238,14 +261,17 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
         except FileExistsError:
             existed = True
         except OSError as e:
-            raise OutputError(f"{d}: cannot create the output directory ({e.strerror}); "
-                              "check permissions and free space") from None
+            raise OutputError(
+                f"{d}: cannot create the output directory ({e.strerror}); check permissions and free space"
+            ) from None
     fd = _lock(d, dst)
     try:
         journal = d / JOURNAL_NAME
         if existed and not resume:
-            raise OutputError(f"{d}: left by an interrupted conversion to {dst}; rerun the same command with "
-                              "--resume to continue it, or delete that directory to start over")
+            raise OutputError(
+                f"{d}: left by an interrupted conversion to {dst}; rerun the same command with "
+                "--resume to continue it, or delete that directory to start over"
+            )
         created, inputs, outputs = None, {}, {}
         if existed and os.path.lexists(journal):
             try:
@@ -262,23 +288,32 @@ def open_partial(dst: Path, ckpt, scheme: str, dialect: str, opts) -> Partial:
                 raise OutputError(f"{journal}: unreadable resume journal ({e}); delete {d} to start over") from None
             diff = _diff(old_fp, fp)
             if diff:
-                raise OutputError(f"{d}: the interrupted conversion differs from this command ({diff}); rerun it "
-                                  f"with its original source and options and --resume, or delete {d} to start over")
+                raise OutputError(
+                    f"{d}: the interrupted conversion differs from this command ({diff}); rerun it "
+                    f"with its original source and options and --resume, or delete {d} to start over"
+                )
             # --no-checksums (part of the fingerprint, so the interrupted run had it too): no digests
             # were recorded, and shards are kept on their size alone
             by_size = not opts.output_checksums
             for name, rec in sorted(recorded.items()):
                 p = d / name
-                ok = (isinstance(rec, dict) and name in inputs and "/" not in name and _regular(p)
-                      and p.stat().st_size == rec.get("size"))
+                ok = (
+                    isinstance(rec, dict)
+                    and name in inputs
+                    and "/" not in name
+                    and _regular(p)
+                    and p.stat().st_size == rec.get("size")
+                )
                 if ok and not by_size:
                     ok = sha256_file(p) == rec.get("sha256")
                 if ok:
                     outputs[name] = {"sha256": rec["sha256"], "size": rec["size"]}
                 else:
                     notes.append(f"resume: {name} failed its {'size check' if by_size else 'checksum'} and is redone")
-            notes.append(f"resume: {len(outputs)} of {len(ckpt.shards)} output shards verified and kept"
-                         + (f" ({len(outputs)} by size only: --no-checksums)" if by_size and outputs else ""))
+            notes.append(
+                f"resume: {len(outputs)} of {len(ckpt.shards)} output shards verified and kept"
+                + (f" ({len(outputs)} by size only: --no-checksums)" if by_size and outputs else "")
+            )
         elif resume:
             notes.append("resume: no interrupted conversion found; started from the beginning")
         # Whatever is not a verified shard is rewritten: remove it so DST holds only this run's files.

@@ -42,11 +42,21 @@ class Progress:
         self.bar = None
         if enabled is None:
             import os
+
             enabled = os.isatty(2)
         if enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
-                            dynamic_ncols=True, smoothing=0.1, leave=False)
+
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                desc=desc,
+                dynamic_ncols=True,
+                smoothing=0.1,
+                leave=False,
+            )
 
     def update(self, n: int):
         if self.bar:
@@ -112,7 +122,9 @@ class HashingWriter:
         if self._hash is None:
             return ""
         if self._next != len(self._order):
-            raise AssertionError(f"internal: {self.w.path} closed with {len(self._order) - self._next} tensors unhashed")
+            raise AssertionError(
+                f"internal: {self.w.path} closed with {len(self._order) - self._next} tensors unhashed"
+            )
         return self._hash.hexdigest()
 
 
@@ -121,9 +133,23 @@ class Runner:
     of each input and output shard (shard order), "" where not recorded. ``journal``: the resumable
     partial directory's journal (resume.py); output shards it verified are not rewritten."""
 
-    def __init__(self, ckpt: Checkpoint, jobs: list[Job], tmp: Path, opts: ConvertOptions, bytes_in: int,
-                 journal: _resume.Partial | None = None):
-        self.ckpt, self.jobs, self.tmp, self.opts, self.bytes_in, self.journal = ckpt, jobs, tmp, opts, bytes_in, journal
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        jobs: list[Job],
+        tmp: Path,
+        opts: ConvertOptions,
+        bytes_in: int,
+        journal: _resume.Partial | None = None,
+    ):
+        self.ckpt, self.jobs, self.tmp, self.opts, self.bytes_in, self.journal = (
+            ckpt,
+            jobs,
+            tmp,
+            opts,
+            bytes_in,
+            journal,
+        )
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.read_q: queue.Queue = queue.Queue()
@@ -178,8 +204,9 @@ class Runner:
             self.rt.start()
             self.wt.start()
             if self.n_job:
-                self.pool = ThreadPoolExecutor(self.n_job, thread_name_prefix="qconvert-job",
-                                               initializer=kernels.single_threaded_job_thread)
+                self.pool = ThreadPoolExecutor(
+                    self.n_job, thread_name_prefix="qconvert-job", initializer=kernels.single_threaded_job_thread
+                )
             self.hashers = ThreadPoolExecutor(kernels.HASH_STREAMS, thread_name_prefix="qconvert-input-sha")
             self._start_input_digests()
             self._dispatch()
@@ -220,13 +247,20 @@ class Runner:
         writers = self.writers
         try:
             for i, h in enumerate(self.ckpt.shards):
-                writers.append(None if h.path.name in done else
-                               HashingWriter(self.tmp / h.path.name, self.specs[i], self.opts.output_checksums))
+                writers.append(
+                    None
+                    if h.path.name in done
+                    else HashingWriter(self.tmp / h.path.name, self.specs[i], self.opts.output_checksums)
+                )
         except BaseException:
             kernels.settle([w.abort for w in writers if w is not None])  # their hash threads end here too
             raise
-        self.needed = {s for j in self.jobs if any(writers[self.out_shard[o.name]] is not None for o in j.outputs)
-                       for s in j.sources}
+        self.needed = {
+            s
+            for j in self.jobs
+            if any(writers[self.out_shard[o.name]] is not None for o in j.outputs)
+            for s in j.sources
+        }
         self.skipped_bytes = sum(e.nbytes for n, e in self.ckpt.tensors.items() if n not in self.needed)
 
     def _setup_device(self):
@@ -238,8 +272,7 @@ class Runner:
         # the stream the calling thread's kernels run on (a library caller's own, if it set one): the
         # reader's copies are waited for on it, and the writer copies results back on it
         self.main_stream = torch.cuda.current_stream(opts.device) if self.side is not None else None
-        self.to_device = ({s for j in self.jobs if j.device_input for s in j.sources}
-                          if self.side is not None else set())
+        self.to_device = {s for j in self.jobs if j.device_input for s in j.sources} if self.side is not None else set()
 
     # ---- source digests --------------------------------------------------------------------------
 
@@ -357,8 +390,9 @@ class Runner:
                     w = self.writers[i]
                     w.write(name, t)
                     if w.complete:  # fsync and digest on another thread: the writer goes on
-                        ct = threading.Thread(target=self._close_output, args=(i, w), name="qconvert-output-close",
-                                              daemon=True)
+                        ct = threading.Thread(
+                            target=self._close_output, args=(i, w), name="qconvert-output-close", daemon=True
+                        )
                         ct.start()
                         self.closers.append(ct)
                 outputs = t = None  # drop the references before waiting for the next job
@@ -375,9 +409,12 @@ class Runner:
         """Hand the oldest pending job's outputs to the writer (waiting for the job if needed)."""
         fut, j, release, nsrc = self.pending.popleft()
         out = fut.result()
-        item = ([(o.name, out[o.name]) for o in j.outputs
-                 if self.writers[self.out_shard[o.name]] is not None],  # resumed: shard already complete
-                release)  # released by the writer once the outputs are written
+        item = (
+            [
+                (o.name, out[o.name]) for o in j.outputs if self.writers[self.out_shard[o.name]] is not None
+            ],  # resumed: shard already complete
+            release,
+        )  # released by the writer once the outputs are written
         del out
         while True:
             try:
@@ -443,8 +480,18 @@ class Runner:
         thread still running at interpreter exit aborts the process as it drops a torch tensor
         ("terminate called without an active exception", exit -6), and one still quantizing
         writes into freed memory. A Ctrl-C while waiting here is held until they have ended."""
-        kernels.settle([self._stop_all, self._end_pool, self._end_writer, self._end_closers, self._end_reader,
-                self._end_hashers, self.bar.close, self._abort_writers])
+        kernels.settle(
+            [
+                self._stop_all,
+                self._end_pool,
+                self._end_writer,
+                self._end_closers,
+                self._end_reader,
+                self._end_hashers,
+                self.bar.close,
+                self._abort_writers,
+            ]
+        )
 
     def _stop_all(self):
         if self.failed:

@@ -94,8 +94,13 @@ def _unique_keys(pairs):
     return out
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def file_kind(mode: int) -> str:
@@ -163,19 +168,33 @@ def read_header(path: str | os.PathLike) -> Header:
             raise _fail(path, f"tensor {name!r}: header entry is not an object")
         dtype, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise _fail(path, f"tensor {name!r}: unsupported dtype {dtype!r}",
-                        "convert it to BF16 first; qconvert reads " + ", ".join(DTYPES))
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _fail(
+                path,
+                f"tensor {name!r}: unsupported dtype {dtype!r}",
+                "convert it to BF16 first; qconvert reads " + ", ".join(DTYPES),
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise _fail(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-                or not 0 <= offs[0] <= offs[1]):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
             raise _fail(path, f"tensor {name!r}: data_offsets {offs!r} are not a valid [begin, end] pair")
         if offs[1] > data_len:
-            raise _fail(path, f"tensor {name!r}: data ends at byte {offs[1]} but the file holds {data_len} data bytes (truncated)")
+            raise _fail(
+                path,
+                f"tensor {name!r}: data ends at byte {offs[1]} but the file holds {data_len} data bytes (truncated)",
+            )
         expect = math.prod(shape) * DTYPES[dtype][1]
         if offs[1] - offs[0] != expect:
-            raise _fail(path, f"tensor {name!r}: {offs[1] - offs[0]} bytes do not match dtype {dtype} and shape {shape} ({expect} bytes)")
+            raise _fail(
+                path,
+                f"tensor {name!r}: {offs[1] - offs[0]} bytes do not match dtype {dtype} and shape {shape} ({expect} bytes)",
+            )
         entries.append(TensorEntry(name, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]))
     entries.sort(key=lambda e: (e.start, e.end))
     prev = None
@@ -251,7 +270,7 @@ class ShardReader:
             mm = mmap.mmap(self._f.fileno(), e.end - base, access=mmap.ACCESS_COPY, offset=base)
         except (OSError, ValueError):
             return None
-        buf = memoryview(mm)[e.start - base:]
+        buf = memoryview(mm)[e.start - base :]
         t = torch.frombuffer(buf, dtype=dtype).reshape(e.shape)
         return t, buf
 
@@ -459,8 +478,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class ShardWriter:
     """Writes one safetensors file whose header is fixed up front; tensors arrive in any order."""
 
-    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         off = 0

@@ -33,7 +33,9 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     ck = open_checkpoint(src, strict=False)  # guarded: config, index, shard headers
     manifest = ck.manifest
     if manifest is None:
-        raise CheckpointError(f"{src / MANIFEST_NAME}: missing; unshuffle needs a checkpoint written by qconvert --layout")
+        raise CheckpointError(
+            f"{src / MANIFEST_NAME}: missing; unshuffle needs a checkpoint written by qconvert --layout"
+        )
     layout = layout_section(manifest)
     if not layout:
         raise CheckpointError(f"{src}: not a pre-shuffled checkpoint (its {MANIFEST_NAME} has no layout section)")
@@ -44,11 +46,15 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
     contracts = layout["contracts"]
     for sch in set(layer_scheme.values()):
         if sch == "nvfp4" and dialect == "compressed-tensors":
-            raise CheckpointError(f"{src}: compressed-tensors NVFP4 stores 2688/amax, which the layout's decode-convention "
-                                  "scalars cannot give back bit-exactly; re-convert from BF16 (or use --dialect modelopt)")
+            raise CheckpointError(
+                f"{src}: compressed-tensors NVFP4 stores 2688/amax, which the layout's decode-convention "
+                "scalars cannot give back bit-exactly; re-convert from BF16 (or use --dialect modelopt)"
+            )
         if sch == "nvfp4" and engine == "vllm":
-            raise CheckpointError(f"{src}: NVFP4 experts laid out for vLLM fold the activation scales into the global "
-                                  "scales (docs/layouts.md#nvfp4-scalars-in-vllm), so the plain scales cannot be recovered; re-convert from BF16")
+            raise CheckpointError(
+                f"{src}: NVFP4 experts laid out for vLLM fold the activation scales into the global "
+                "scales (docs/layouts.md#nvfp4-scalars-in-vllm), so the plain scales cannot be recovered; re-convert from BF16"
+            )
 
     tmp = dst.parent / f".{dst.name}.qconvert-tmp-{os.getpid()}"
     if os.path.islink(tmp):
@@ -74,7 +80,7 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 for i, p in enumerate(parts):
                     rq = parse_rank_tag(p)
                     if rq is not None:
-                        prefix, param = ".".join(parts[:i]), ".".join(parts[i + 1:])
+                        prefix, param = ".".join(parts[:i]), ".".join(parts[i + 1 :])
                         break
                 if rq is None:
                     plain_out.append((name, t))
@@ -95,16 +101,26 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
                 got = ranks[prefix]
                 if len(got) != tp * ep:
                     raise CheckpointError(f"{f}: {prefix} has {len(got)} of {tp * ep} ranks; the shard is incomplete")
-                plain = trtllm.untransform_moe_layer(got, scheme, engine, intermediate_size=c["intermediate_size"],
-                                                     hidden_size=c["hidden_size"], tp=tp, ep=ep)
+                plain = trtllm.untransform_moe_layer(
+                    got,
+                    scheme,
+                    engine,
+                    intermediate_size=c["intermediate_size"],
+                    hidden_size=c["hidden_size"],
+                    tp=tp,
+                    ep=ep,
+                )
                 per_expert = trtllm.unstack_hf_experts(plain, prefix, scale_suffix=scale_suffix)
                 if scheme == "nvfp4" and dialect == "modelopt":
-                    per_expert = {k: (v.reshape(()) if k.endswith(NVFP4_SCALAR_SUFFIXES) else v)
-                                  for k, v in per_expert.items()}
+                    per_expert = {
+                        k: (v.reshape(()) if k.endswith(NVFP4_SCALAR_SUFFIXES) else v) for k, v in per_expert.items()
+                    }
+
                 # natural order: expert, then gate/up/down, then suffix
                 def key(k, prefix=prefix):
-                    rest = k[len(prefix) + 1:].split(".")
+                    rest = k[len(prefix) + 1 :].split(".")
                     return (int(rest[0]), ["gate_proj", "up_proj", "down_proj"].index(rest[1]), rest[2])
+
                 for k in sorted(per_expert, key=key):
                     final.append((k, per_expert[k].contiguous()))
                 n_layers += 1
@@ -119,8 +135,12 @@ def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: 
             if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_NAME, MANIFEST_NAME):
                 shutil.copy2(guard(src, p), tmp / p.name)
         if (src / INDEX_NAME).exists():
-            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+            (tmp / INDEX_NAME).write_text(
+                json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                )
+                + "\n"
+            )
         manifest = dict(manifest)
         manifest.pop(LAYOUT_KEY)
         manifest["unshuffled_from"] = str(src)

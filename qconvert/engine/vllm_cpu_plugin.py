@@ -99,9 +99,7 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def _refuse(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"qconvert vLLM CPU plugin (vLLM {_vllm_version()}): {what} is not supported on CPU"
-    )
+    return NotImplementedError(f"qconvert vLLM CPU plugin (vLLM {_vllm_version()}): {what} is not supported on CPU")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,9 +180,7 @@ def cpu_moe_experts(
         def q2(e, a):
             return ref_nvfp4_quant_dequant(a, a2_gs[e : e + 1], group_size)
 
-    return torch_moe_experts(
-        x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, q13, q2
-    )
+    return torch_moe_experts(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, q13, q2)
 
 
 @cpu_moe_experts.register_fake
@@ -210,8 +206,12 @@ def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     E4M3 value is exact in BF16 (a table lookup of the byte), and so is every power-of-two scale
     (fp32's exponent range); the BF16 product is rounded once from fp32, as vLLM's fp32 product is.
     Runs at every load and reload of a CPU MXFP8 MoE layer."""
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 3 or w.shape[-1] % 32 or scales.shape != (*w.shape[:-1],
-                                                                                                w.shape[-1] // 32):
+    if (
+        w.dtype != torch.float8_e4m3fn
+        or w.dim() != 3
+        or w.shape[-1] % 32
+        or scales.shape != (*w.shape[:-1], w.shape[-1] // 32)
+    ):
         from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
         return dequant_mxfp8_to_bf16(w, scales)
@@ -435,9 +435,7 @@ def _build_classes():
                 wq = scheme.get("weights")
                 if wq is not None and self._is_nvfp4_format(wq):
                     err = _refuse(f"compressed-tensors NVFP4 MoE ({prefix})")
-                    raise NotImplementedError(
-                        f"{err}; convert with --dialect modelopt (its NVFP4 experts run here)"
-                    )
+                    raise NotImplementedError(f"{err}; convert with --dialect modelopt (its NVFP4 experts run here)")
             return super().get_quant_method(layer, prefix)
 
     class CpuMxfp8Config(mo.ModelOptMxFp8Config):

@@ -134,8 +134,10 @@ def _parallel(module) -> tuple[int, int, int, int]:
     try:
         return int(src.tp_size), int(src.tp_rank), int(src.ep_size), int(src.ep_rank)
     except AttributeError:
-        raise _refuse(getattr(module, "layer_name", type(module).__name__),
-                      "cannot read the MoE layer's TP/EP sizes and ranks (moe_config.moe_parallel_config)") from None
+        raise _refuse(
+            getattr(module, "layer_name", type(module).__name__),
+            "cannot read the MoE layer's TP/EP sizes and ranks (moe_config.moe_parallel_config)",
+        ) from None
 
 
 def _backend_name(value) -> str:
@@ -147,8 +149,12 @@ def trtllm_scheme(quant_method) -> tuple[str | None, str]:
     FlashInfer TRT-LLM MoE backend for bf16 / mxfp8 / nvfp4."""
     if quant_method is None:
         return None, "no quant method"
-    for attr, scheme in (("nvfp4_backend", "nvfp4"), ("mxfp8_backend", "mxfp8"),
-                         ("unquantized_backend", "bf16"), ("fp8_backend", "fp8")):
+    for attr, scheme in (
+        ("nvfp4_backend", "nvfp4"),
+        ("mxfp8_backend", "mxfp8"),
+        ("unquantized_backend", "bf16"),
+        ("fp8_backend", "fp8"),
+    ):
         if hasattr(quant_method, attr):
             backend = _backend_name(getattr(quant_method, attr))
             if scheme == "fp8":  # Fp8MoEMethod runs MXFP8 only with 1x32 blocks
@@ -163,26 +169,35 @@ def _check_expert_placement(module, where: str, ep: int, ep_rank: int, n_local: 
     if ep == 1 or emap is None:
         return
     want = torch.full((emap.numel(),), -1, dtype=torch.long)
-    want[ep_rank * n_local:(ep_rank + 1) * n_local] = torch.arange(n_local)
+    want[ep_rank * n_local : (ep_rank + 1) * n_local] = torch.arange(n_local)
     if not torch.equal(emap.detach().to("cpu", torch.long).reshape(-1), want):
-        raise _refuse(where, f"experts are not placed contiguously on EP rank {ep_rank} (expert placement "
-                             "strategy must be 'linear'; the layout holds experts "
-                             f"[{ep_rank * n_local}, {(ep_rank + 1) * n_local}))")
+        raise _refuse(
+            where,
+            f"experts are not placed contiguously on EP rank {ep_rank} (expert placement "
+            "strategy must be 'linear'; the layout holds experts "
+            f"[{ep_rank * n_local}, {(ep_rank + 1) * n_local}))",
+        )
 
 
 def _nvfp4_guard(module, quant_method, where: str, tensors: dict, read: Callable) -> None:
     fe = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
     if fe is not None and getattr(fe, "_gemm1_clamp_limit_unfolded", None) is not None:
-        raise _refuse(where, "NVFP4 SwiGLU clamp is folded with g1_alphas at load; copying new scales would "
-                             "leave it stale (not supported)")
+        raise _refuse(
+            where,
+            "NVFP4 SwiGLU clamp is folded with g1_alphas at load; copying new scales would "
+            "leave it stale (not supported)",
+        )
     for name in ("w13_input_scale", "w2_input_scale"):
         cur = getattr(module, name, None)
         if cur is None or name not in tensors:
             continue
         new = read(tensors[name])
         if not torch.equal(new.to(cur.device, cur.dtype), cur.detach()):
-            raise _refuse(where, f"{name} differs from the served one; vLLM derives 1/input_scale once at load, "
-                                 "so activation scales cannot change by a copy (restart the server on this checkpoint)")
+            raise _refuse(
+                where,
+                f"{name} differs from the served one; vLLM derives 1/input_scale once at load, "
+                "so activation scales cannot change by a copy (restart the server on this checkpoint)",
+            )
 
 
 # ------------------------------------------------------------------------------- plan
@@ -235,9 +250,14 @@ def staged_entries(maps) -> dict[str, tuple]:
     return out
 
 
-def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
-                          flashinfer_version: object = _LOOKUP, layout: dict | None = None,
-                          entries: dict[str, tuple] | None = None) -> PreshuffledPlan:
+def plan_preshuffled_load(
+    ckpt: str | Path,
+    model: torch.nn.Module,
+    *,
+    flashinfer_version: object = _LOOKUP,
+    layout: dict | None = None,
+    entries: dict[str, tuple] | None = None,
+) -> PreshuffledPlan:
     """Check the checkpoint against the live ``model``; raise :class:`PreshuffledLoadError` on the
     first mismatch. Reads headers only (and NVFP4 input scales). ``flashinfer_version``:
     the installed version (default: looked up; None = not installed). ``layout`` and ``entries``
@@ -251,8 +271,9 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
     if lay.get("name") != trtllm.LAYOUT_NAME:
         raise _refuse(str(ckpt), f"layout {lay.get('name')!r} is not {trtllm.LAYOUT_NAME!r}")
     if lay.get("engine") != ENGINE:
-        raise _refuse(str(ckpt), f"layout written for engine {lay.get('engine')!r}, this is vllm "
-                                 "(re-convert with --engine vllm)")
+        raise _refuse(
+            str(ckpt), f"layout written for engine {lay.get('engine')!r}, this is vllm (re-convert with --engine vllm)"
+        )
     tp, ep = int(lay.get("tp", 1)), int(lay.get("ep", 1))
     if flashinfer_version is _LOOKUP:
         flashinfer_version = trtllm.installed_flashinfer_version()
@@ -265,9 +286,15 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
         if c.get("engine") != ENGINE:
             raise _refuse(where, f"engine {c.get('engine')!r}, this is vllm")
         try:
-            expected = trtllm.kernel_layout_contract(scheme, ENGINE, num_experts=c["num_experts"],
-                                              intermediate_size=c["intermediate_size"],
-                                              hidden_size=c["hidden_size"], tp=c["tp"], ep=c["ep"])
+            expected = trtllm.kernel_layout_contract(
+                scheme,
+                ENGINE,
+                num_experts=c["num_experts"],
+                intermediate_size=c["intermediate_size"],
+                hidden_size=c["hidden_size"],
+                tp=c["tp"],
+                ep=c["ep"],
+            )
             trtllm.check_kernel_layout_contract(c, expected, where)
         except (KeyError, TypeError) as e:
             raise _refuse(where, f"incomplete contract ({e})") from None
@@ -276,8 +303,11 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
         if (c["tp"], c["ep"]) != (tp, ep):
             raise _refuse(where, f"contract tp/ep {c['tp']}/{c['ep']} differ from the manifest's {tp}/{ep}")
         if flashinfer_version != c.get("flashinfer_version"):
-            raise _refuse(where, f"written for FlashInfer {c.get('flashinfer_version')}, the worker has "
-                                 f"{flashinfer_version or 'no flashinfer-python installed'}")
+            raise _refuse(
+                where,
+                f"written for FlashInfer {c.get('flashinfer_version')}, the worker has "
+                f"{flashinfer_version or 'no flashinfer-python installed'}",
+            )
 
     if entries is None:
         entries = _checkpoint_entries(ckpt)
@@ -316,8 +346,11 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
         qm = getattr(module, "quant_method", None)
         have, backend = trtllm_scheme(qm)
         if have != scheme:
-            raise _refuse(prefix, f"layout scheme {scheme} needs the FlashInfer TRT-LLM MoE backend with {scheme}, "
-                                  f"the layer runs {backend}")
+            raise _refuse(
+                prefix,
+                f"layout scheme {scheme} needs the FlashInfer TRT-LLM MoE backend with {scheme}, "
+                f"the layer runs {backend}",
+            )
         tag = "trtllm" if tp == ep == 1 else f"trtllm_tp{tpr}_ep{epr}"
         found = layout_names.get(prefix, {}).get(tag, {})
         carried = list(contract.get("param_names") or [])
@@ -331,12 +364,17 @@ def plan_preshuffled_load(ckpt: str | Path, model: torch.nn.Module, *,
             if pname not in found:
                 raise _refuse(prefix, f"checkpoint lacks {full}")
             if pname not in own:
-                raise _refuse(prefix, f"the layer has no parameter {pname} (its post-load parameters differ from "
-                                      "what the layout was written for)")
+                raise _refuse(
+                    prefix,
+                    f"the layer has no parameter {pname} (its post-load parameters differ from "
+                    "what the layout was written for)",
+                )
             p, (_, e) = own[pname], found[pname]
             if tuple(p.shape) != tuple(e.shape) or p.dtype != e.torch_dtype:
-                raise _refuse(prefix, f"{pname} is {tuple(p.shape)} {p.dtype} in the server, {full} is "
-                                      f"{tuple(e.shape)} {e.torch_dtype}")
+                raise _refuse(
+                    prefix,
+                    f"{pname} is {tuple(p.shape)} {p.dtype} in the server, {full} is {tuple(e.shape)} {e.torch_dtype}",
+                )
             load.tensors[pname] = found[pname]
         unexpected = sorted(set(found) - set(carried))
         if unexpected:
@@ -387,16 +425,20 @@ def copy_layout_tensors(plan: PreshuffledPlan) -> tuple[int, int]:
     return n, nbytes
 
 
-def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
-                     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object], *,
-                     flashinfer_version: object = _LOOKUP, layout: dict | None = None,
-                     entries: dict[str, tuple] | None = None) -> dict:
+def load_preshuffled(
+    model: torch.nn.Module,
+    ckpt: str | Path,
+    load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+    *,
+    flashinfer_version: object = _LOOKUP,
+    layout: dict | None = None,
+    entries: dict[str, tuple] | None = None,
+) -> dict:
     """Check, load the non-layout tensors with ``load_weights``, then copy the layout tensors.
 
     ``load_weights`` gets an iterator of (name, tensor) in the checkpoint dialect. Returns a
     JSON-serialisable summary."""
-    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version, layout=layout,
-                                 entries=entries)
+    plan = plan_preshuffled_load(ckpt, model, flashinfer_version=flashinfer_version, layout=layout, entries=entries)
     n_other = 0
 
     def counted():
@@ -407,9 +449,17 @@ def load_preshuffled(model: torch.nn.Module, ckpt: str | Path,
 
     load_weights(counted())
     n, nbytes = copy_layout_tensors(plan)
-    return {"layers": len(plan.layers), "skipped_layers": plan.skipped, "expert_tensors": n,
-            "expert_bytes": nbytes, "other_tensors": n_other, "tp": plan.tp, "ep": plan.ep,
-            "tp_rank": plan.tp_rank, "ep_rank": plan.ep_rank}
+    return {
+        "layers": len(plan.layers),
+        "skipped_layers": plan.skipped,
+        "expert_tensors": n,
+        "expert_bytes": nbytes,
+        "other_tensors": n_other,
+        "tp": plan.tp,
+        "ep": plan.ep,
+        "tp_rank": plan.tp_rank,
+        "ep_rank": plan.ep_rank,
+    }
 
 
 def load_preshuffled_entries(model: torch.nn.Module, where: str, layout: dict, maps, load_weights) -> dict:

@@ -47,6 +47,7 @@ class StagedLoadError(QConvertError):
 @dataclass
 class MappedFile:
     """One staging file mapped into the worker: ``base`` is a uint8 tensor over the whole file."""
+
     name: str
     path: Path
     mm: mmap.mmap
@@ -59,7 +60,7 @@ class MappedFile:
         t = self.spec.tensors[tname]
         dtype = DTYPES[t.dtype][0]
         nbytes = t.nbytes
-        view = self.base[t.offset:t.offset + nbytes]
+        view = self.base[t.offset : t.offset + nbytes]
         return view.view(dtype).reshape(t.shape) if nbytes else torch.empty(t.shape, dtype=dtype)
 
     def close(self) -> bool:
@@ -82,8 +83,9 @@ def map_file(directory: Path, spec) -> MappedFile:
     try:
         size = os.fstat(fd).st_size
         if size != spec.size:
-            raise StagedLoadError(f"{path}: {size} bytes, the staging area says {spec.size} (truncated or "
-                                  "rewritten); restage the area")
+            raise StagedLoadError(
+                f"{path}: {size} bytes, the staging area says {spec.size} (truncated or rewritten); restage the area"
+            )
         if size == 0:
             mm = None
         else:
@@ -120,6 +122,7 @@ def file_digest(kind: str, buf) -> str:
 
 def verify_files(view, maps: list[MappedFile], threads: int = 8) -> None:
     """Check every mapped file against the committed digests (threads: both hashes release the GIL)."""
+
     def one(m: MappedFile) -> str | None:
         got = file_digest(view.digest, memoryview(m.mm))
         return None if got == view.digests.get(m.name) else m.name
@@ -127,8 +130,10 @@ def verify_files(view, maps: list[MappedFile], threads: int = 8) -> None:
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(maps)))) as ex:
         bad = [n for n in ex.map(one, maps) if n]
     if bad:
-        raise StagedLoadError(f"staging area {view.root}: {bad[0]} does not match its {view.digest} digest "
-                              f"(modified or corrupt); nothing was loaded, restage the area")
+        raise StagedLoadError(
+            f"staging area {view.root}: {bad[0]} does not match its {view.digest} digest "
+            f"(modified or corrupt); nothing was loaded, restage the area"
+        )
 
 
 # ------------------------------------------------------------------------------- ranks
@@ -165,9 +170,11 @@ def select_files(view, tp_size: int, tp_rank: int, ep_size: int, ep_rank: int) -
     if all(f.rank is None for f in view.files):
         return list(view.files)
     if (view.tp, view.ep) != (tp_size, ep_size):
-        raise StagedLoadError(f"staging area {view.root} holds per-rank files for tp={view.tp} ep={view.ep}, "
-                              f"this server's MoE layers run tp={tp_size} ep={ep_size}; stage it for this "
-                              "server's parallel sizes")
+        raise StagedLoadError(
+            f"staging area {view.root} holds per-rank files for tp={view.tp} ep={view.ep}, "
+            f"this server's MoE layers run tp={tp_size} ep={ep_size}; stage it for this "
+            "server's parallel sizes"
+        )
     return fmt.files_for_rank(view, tp_rank, ep_rank)
 
 
@@ -199,9 +206,16 @@ def _profiled(fn, top: int):
     return [f"{v[3]:.3f}s cum {v[2]:.3f}s own {v[1]} calls {Path(k[0]).name}:{k[1]}({k[2]})" for k, v in rows]
 
 
-def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights, *, verify: bool = False,
-                lock_wait_s: float = 60.0, ranks: tuple[int, int, int, int] | None = None,
-                profile: int = 0) -> dict:
+def load_staged(
+    model: torch.nn.Module,
+    area: str | os.PathLike,
+    reload_weights,
+    *,
+    verify: bool = False,
+    lock_wait_s: float = 60.0,
+    ranks: tuple[int, int, int, int] | None = None,
+    profile: int = 0,
+) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
     ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
@@ -241,12 +255,23 @@ def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights,
             else:
                 run()
             t_load = time.perf_counter()
-            stats = {"format": view.format, "version": view.version, "slot": view.slot,
-                     "files": len(maps), "files_in_area": len(view.files),
-                     "bytes": sum(m.spec.size for m in maps), "bytes_in_area": view.nbytes,
-                     "tensors": n_tensors, "tp_rank": tp_rank, "ep_rank": ep_rank, "verified": bool(verify),
-                     "map_seconds": t_map - t0, "verify_seconds": t_verify - t_map,
-                     "load_seconds": t_load - t_verify, **extra}
+            stats = {
+                "format": view.format,
+                "version": view.version,
+                "slot": view.slot,
+                "files": len(maps),
+                "files_in_area": len(view.files),
+                "bytes": sum(m.spec.size for m in maps),
+                "bytes_in_area": view.nbytes,
+                "tensors": n_tensors,
+                "tp_rank": tp_rank,
+                "ep_rank": ep_rank,
+                "verified": bool(verify),
+                "map_seconds": t_map - t0,
+                "verify_seconds": t_verify - t_map,
+                "load_seconds": t_load - t_verify,
+                **extra,
+            }
     finally:
         for m in maps:
             released = m.close() and released
@@ -255,8 +280,9 @@ def load_staged(model: torch.nn.Module, area: str | os.PathLike, reload_weights,
     return stats
 
 
-def copy_floor(model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3,
-               ranks: tuple[int, int, int, int] | None = None) -> dict:
+def copy_floor(
+    model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3, ranks: tuple[int, int, int, int] | None = None
+) -> dict:
     """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
     process, the files this rank would load mapped afresh (as a load maps them) and one plain copy
     of every tensor into tensors of the same shapes and dtypes allocated (and touched) beforehand.

@@ -64,6 +64,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 # ---- per-module format --------------------------------------------------------------------------
 
+
 @dataclass
 class Module:
     name: str
@@ -90,11 +91,20 @@ def module_format(tensors: dict[str, tuple[str, tuple]]) -> tuple[str, list[int]
         logical = shape[:-1] + [shape[-1] * 2]
         return "nvfp4", logical, scale_sfx
     if dtype == "F8_E4M3" and scale is not None:
-        if scale[0] in SCALE_TAGS["mxfp8"] and len(scale[1]) == len(shape) and shape \
-                and scale[1][-1] * MXFP8_BLOCK == shape[-1]:
+        if (
+            scale[0] in SCALE_TAGS["mxfp8"]
+            and len(scale[1]) == len(shape)
+            and shape
+            and scale[1][-1] * MXFP8_BLOCK == shape[-1]
+        ):
             return "mxfp8", shape, scale_sfx
-        if scale[0] == "F32" and len(scale[1]) == 2 and len(shape) == 2 and (scale[1][0] > 1 or scale[1][1] > 1) \
-                and scale[1][1] < shape[1]:
+        if (
+            scale[0] == "F32"
+            and len(scale[1]) == 2
+            and len(shape) == 2
+            and (scale[1][0] > 1 or scale[1][1] > 1)
+            and scale[1][1] < shape[1]
+        ):
             return "fp8-block", shape, scale_sfx
         return "fp8", shape, scale_sfx
     return "other", shape, scale_sfx
@@ -111,15 +121,24 @@ def modules_of(tensors: dict) -> dict[str, Module]:
         desc = {s: (e.dtype, tuple(e.shape)) for s, e in ts.items()}
         fmt, shape, sfx = module_format(desc)
         stacked = mod.rsplit(".", 1)[-1] in STACKED_MODULES
-        out[mod] = Module(mod, fmt, shape, sum(e.nbytes for e in ts.values()),
-                          {s: [d, list(sh)] for s, (d, sh) in desc.items()}, sfx, stacked)
+        out[mod] = Module(
+            mod,
+            fmt,
+            shape,
+            sum(e.nbytes for e in ts.values()),
+            {s: [d, list(sh)] for s, (d, sh) in desc.items()},
+            sfx,
+            stacked,
+        )
     return out
 
 
 # ---- findings -----------------------------------------------------------------------------------
 
+
 class Code(enum.Enum):
     """What detection found. Conflicts (the checkpoint contradicts itself) fail ``verify``."""
+
     HF_QUANT_CONFIG_ONLY = "hf-quant-config-only"  # older ModelOpt export
     QUANTIZED_WITHOUT_CONFIG = "quantized-without-config"  # args: formats
     UNKNOWN_MODELOPT_ALGO = "unknown-modelopt-algo"  # args: algo
@@ -135,11 +154,12 @@ CONFLICTS = frozenset({Code.MANIFEST_DISAGREES, Code.CONFIG_WITHOUT_TENSORS})
 _TEXT = {
     Code.HF_QUANT_CONFIG_ONLY: HF_QUANT_CONFIG + " only (no quantization_config in config.json): older ModelOpt export",
     Code.QUANTIZED_WITHOUT_CONFIG: "tensors are {formats} but config.json has no quantization_config; "
-                                   "no engine will load this as quantized",
+    "no engine will load this as quantized",
     Code.UNKNOWN_MODELOPT_ALGO: "ModelOpt quant_algo {algo!r} is not one qconvert knows",
     Code.UNKNOWN_QUANT_METHOD: "quant_method {method!r} is not one qconvert knows",
-    Code.STACKED_WITHOUT_LAYOUT: "stacked expert tensors (w13_/w2_) but no layout contract in " + MANIFEST_NAME
-                                 + "; their kernel layout is unknown",
+    Code.STACKED_WITHOUT_LAYOUT: "stacked expert tensors (w13_/w2_) but no layout contract in "
+    + MANIFEST_NAME
+    + "; their kernel layout is unknown",
     Code.MANIFEST_DISAGREES: MANIFEST_NAME + " says {ms}/{md} but config and tensors say {scheme}/{dialect}",
     Code.CONFIG_WITHOUT_TENSORS: "config.json declares {scheme} but no tensor is stored as {scheme}",
 }
@@ -194,15 +214,17 @@ def _ct_scheme(qc: dict) -> str:
         if bits == 4 and typ == "float":
             return "nvfp4"
         if bits == 8 and typ == "float":
-            return "mxfp8" if (gs == MXFP8_BLOCK and w.get("strategy") in ("group", "tensor_group")) or "mx" in fmt \
+            return (
+                "mxfp8"
+                if (gs == MXFP8_BLOCK and w.get("strategy") in ("group", "tensor_group")) or "mx" in fmt
                 else "fp8"
+            )
     if "nvfp4" in fmt:
         return "nvfp4"
     return "unknown"
 
 
-def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
-           modules: dict[str, Module]) -> Detection:
+def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None, modules: dict[str, Module]) -> Detection:
     """Format and dialect from config.json (+ hf_quant_config.json) and the tensors."""
     qc = config.get("quantization_config")
     formats = {m.format for m in modules.values()}
@@ -215,8 +237,14 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None,
     if not isinstance(qc, dict):
         quantized = formats & set(QUANTIZED_FORMATS)
         if quantized:
-            return Detection("unknown", "none", producer, None, {},
-                             [finding(Code.QUANTIZED_WITHOUT_CONFIG, formats=", ".join(sorted(quantized)))])
+            return Detection(
+                "unknown",
+                "none",
+                producer,
+                None,
+                {},
+                [finding(Code.QUANTIZED_WITHOUT_CONFIG, formats=", ".join(sorted(quantized)))],
+            )
         return Detection("bf16", "bf16", producer if producer != "unknown" else "transformers", None, {}, found)
     method = str(qc.get("quant_method") or "").lower()
     keys: dict[str, list] = {}

@@ -46,16 +46,27 @@ K_SCALE, V_SCALE = "k_scale", "v_scale"
 
 #: tensor-name suffixes that belong to a module (longest first so ``weight_scale_2`` wins)
 SUFFIXES = (
-    WEIGHT_SCALE_INV, WEIGHT_SCALE_2, WEIGHT_GLOBAL_SCALE, WEIGHT_ZERO_POINT, WEIGHT_PACKED,
-    WEIGHT_SHAPE, WEIGHT_SCALE, INPUT_GLOBAL_SCALE, INPUT_SCALE, K_SCALE, V_SCALE,
-    WEIGHT, BIAS,
+    WEIGHT_SCALE_INV,
+    WEIGHT_SCALE_2,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_ZERO_POINT,
+    WEIGHT_PACKED,
+    WEIGHT_SHAPE,
+    WEIGHT_SCALE,
+    INPUT_GLOBAL_SCALE,
+    INPUT_SCALE,
+    K_SCALE,
+    V_SCALE,
+    WEIGHT,
+    BIAS,
 )
 #: tensors of a quantized Linear that stay in their source dtype, byte for byte (a Linear's bias:
 #: Qwen2's q/k/v, BERT encoders); they are not part of the quantized format
 KEPT_SUFFIXES = (BIAS,)
 #: the tensors that make a module quantized (verify requires one of them per quantized module)
-REQUIRED_SUFFIXES = frozenset({WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV, WEIGHT_SCALE_2,
-                               WEIGHT_GLOBAL_SCALE})
+REQUIRED_SUFFIXES = frozenset(
+    {WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV, WEIGHT_SCALE_2, WEIGHT_GLOBAL_SCALE}
+)
 #: packed NVFP4 codes, either dialect's name
 NVFP4_WEIGHT_SUFFIXES = (WEIGHT_PACKED, WEIGHT)
 #: NVFP4 activation scales, either dialect's name
@@ -79,8 +90,13 @@ DEFAULT_DIALECT = {MXFP8: "auto", NVFP4: "modelopt", BF16: "bf16"}
 PRODUCER = {"name": "qconvert", "version": __version__}
 
 #: the block-scale suffix of each MXFP8 dialect (written or read)
-MXFP8_SCALE_SUFFIX = {"auto": WEIGHT_SCALE, "sglang": WEIGHT_SCALE_INV, "flat": WEIGHT_SCALE,
-                      "modelopt": WEIGHT_SCALE, "compressed-tensors": WEIGHT_SCALE}
+MXFP8_SCALE_SUFFIX = {
+    "auto": WEIGHT_SCALE,
+    "sglang": WEIGHT_SCALE_INV,
+    "flat": WEIGHT_SCALE,
+    "modelopt": WEIGHT_SCALE,
+    "compressed-tensors": WEIGHT_SCALE,
+}
 
 
 def resolve_dialect(scheme: str, dialect: str | None) -> str:
@@ -120,23 +136,29 @@ def nvfp4_out_tensors(module: str, shape: tuple[int, int], dialect: str, input_m
 
     n, k = shape
     if dialect == "modelopt":
-        out = [OutTensor(f"{module}.{WEIGHT}", torch.uint8, (n, k // 2), "weight"),
-               OutTensor(f"{module}.{WEIGHT_SCALE}", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), "scale"),
-               OutTensor(f"{module}.{WEIGHT_SCALE_2}", torch.float32, (), "global_scale")]
+        out = [
+            OutTensor(f"{module}.{WEIGHT}", torch.uint8, (n, k // 2), "weight"),
+            OutTensor(f"{module}.{WEIGHT_SCALE}", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), "scale"),
+            OutTensor(f"{module}.{WEIGHT_SCALE_2}", torch.float32, (), "global_scale"),
+        ]
         if input_mode != "weight-only":
             out.append(OutTensor(f"{module}.{INPUT_SCALE}", torch.float32, (), "input_scale"))
         return out
     if dialect == "compressed-tensors":
-        out = [OutTensor(f"{module}.{WEIGHT_PACKED}", torch.uint8, (n, k // 2), "weight"),
-               OutTensor(f"{module}.{WEIGHT_SCALE}", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), "scale"),
-               OutTensor(f"{module}.{WEIGHT_GLOBAL_SCALE}", torch.float32, (1,), "global_scale")]
+        out = [
+            OutTensor(f"{module}.{WEIGHT_PACKED}", torch.uint8, (n, k // 2), "weight"),
+            OutTensor(f"{module}.{WEIGHT_SCALE}", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK), "scale"),
+            OutTensor(f"{module}.{WEIGHT_GLOBAL_SCALE}", torch.float32, (1,), "global_scale"),
+        ]
         if input_mode != "weight-only":
             out.append(OutTensor(f"{module}.{INPUT_GLOBAL_SCALE}", torch.float32, (1,), "input_scale"))
         return out
     raise PlanError(f"unknown NVFP4 dialect {dialect!r}")
 
 
-def accepted_tensors(fmt: str, dialect: str, scale_suffix: str | None, n: int, k: int) -> dict[str, tuple[set, list | None]]:
+def accepted_tensors(
+    fmt: str, dialect: str, scale_suffix: str | None, n: int, k: int
+) -> dict[str, tuple[set, list | None]]:
     """suffix -> (allowed dtype tags, shape or None for 'scalar or [1]') of a quantized [n, k] module
     as ``verify`` accepts it (qconvert's dialects and the ones it reads)."""
     if fmt == MXFP8:
@@ -144,23 +166,37 @@ def accepted_tensors(fmt: str, dialect: str, scale_suffix: str | None, n: int, k
         tags = {"U8"} if dialect in ("auto", "sglang") else {"U8", "F8_E8M0"}
         return {WEIGHT: ({"F8_E4M3"}, [n, k]), sfx: (tags, [n, k // MXFP8_BLOCK])}
     if fmt == NVFP4 and dialect == "compressed-tensors":
-        return {WEIGHT_PACKED: ({"U8"}, [n, k // 2]), WEIGHT_SCALE: ({"F8_E4M3"}, [n, k // NVFP4_BLOCK]),
-                WEIGHT_GLOBAL_SCALE: ({"F32"}, None), INPUT_GLOBAL_SCALE: ({"F32"}, None),
-                WEIGHT_SHAPE: ({"I64", "I32"}, [2])}
+        return {
+            WEIGHT_PACKED: ({"U8"}, [n, k // 2]),
+            WEIGHT_SCALE: ({"F8_E4M3"}, [n, k // NVFP4_BLOCK]),
+            WEIGHT_GLOBAL_SCALE: ({"F32"}, None),
+            INPUT_GLOBAL_SCALE: ({"F32"}, None),
+            WEIGHT_SHAPE: ({"I64", "I32"}, [2]),
+        }
     if fmt == NVFP4:
-        return {WEIGHT: ({"U8"}, [n, k // 2]), WEIGHT_SCALE: ({"F8_E4M3"}, [n, k // NVFP4_BLOCK]),
-                WEIGHT_SCALE_2: ({"F32"}, None), INPUT_SCALE: ({"F32"}, None)}
+        return {
+            WEIGHT: ({"U8"}, [n, k // 2]),
+            WEIGHT_SCALE: ({"F8_E4M3"}, [n, k // NVFP4_BLOCK]),
+            WEIGHT_SCALE_2: ({"F32"}, None),
+            INPUT_SCALE: ({"F32"}, None),
+        }
     return {}
 
 
 # ---- config.json quantization_config and extra files ----------------------------------------------
 
+
 def mxfp8_quant_config(exclusions: list[str], dialect: str) -> tuple[dict, dict[str, dict]]:
     """(config.json quantization_config, {extra json file name: content})."""
     excl = list(exclusions)
     # SGLang's Fp8Config needs activation_scheme and reads weight_block_size / scale_fmt.
-    sglang_keys = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                   "weight_block_size": [1, MXFP8_BLOCK]}
+    sglang_keys = {
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [1, MXFP8_BLOCK],
+    }
     if dialect == "auto":  # vLLM reads only ignored_layers, SGLang prefers it: both keys, one list
         return {**sglang_keys, IGNORED_LAYERS: excl, MODULES_TO_NOT_CONVERT: list(excl)}, {}
     if dialect == "sglang":
@@ -172,11 +208,17 @@ def mxfp8_quant_config(exclusions: list[str], dialect: str) -> tuple[dict, dict[
             "group_size": MXFP8_BLOCK,
             IGNORE: excl,
             "producer": dict(PRODUCER),
-        }, {HF_QUANT_CONFIG: {
-            "producer": dict(PRODUCER),
-            "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "group_size": MXFP8_BLOCK,
-                             EXCLUDE_MODULES: list(excl)},
-        }}
+        }, {
+            HF_QUANT_CONFIG: {
+                "producer": dict(PRODUCER),
+                "quantization": {
+                    "quant_algo": "MXFP8",
+                    "kv_cache_quant_algo": None,
+                    "group_size": MXFP8_BLOCK,
+                    EXCLUDE_MODULES: list(excl),
+                },
+            }
+        }
     raise PlanError(f"unknown MXFP8 dialect {dialect!r}")
 
 
@@ -199,9 +241,13 @@ def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> 
             "kv_cache_scheme": None,
             IGNORE: excl,
             "producer": dict(PRODUCER),
-            "config_groups": {"group_0": {"weights": _fp4_args(False),
-                                          "input_activations": None if w4a16 else _fp4_args(False),
-                                          "targets": ["Linear"]}},
+            "config_groups": {
+                "group_0": {
+                    "weights": _fp4_args(False),
+                    "input_activations": None if w4a16 else _fp4_args(False),
+                    "targets": ["Linear"],
+                }
+            },
         }
         extra = {}
         if not w4a16:
@@ -209,14 +255,28 @@ def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> 
             # vLLM and SGLang both take config.json's quantization_config first.
             extra[HF_QUANT_CONFIG] = {
                 "producer": dict(PRODUCER),
-                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK,
-                                 EXCLUDE_MODULES: list(excl)},
+                "quantization": {
+                    "quant_algo": "NVFP4",
+                    "kv_cache_quant_algo": None,
+                    "group_size": NVFP4_BLOCK,
+                    EXCLUDE_MODULES: list(excl),
+                },
             }
         return qc, extra
     if dialect == "compressed-tensors":
-        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_BLOCK,
-                   "symmetric": True, "dynamic": False, "observer": "minmax", "actorder": None,
-                   "block_structure": None, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group",
+            "group_size": NVFP4_BLOCK,
+            "symmetric": True,
+            "dynamic": False,
+            "observer": "minmax",
+            "actorder": None,
+            "block_structure": None,
+            "scale_dtype": "torch.float8_e4m3fn",
+            "zp_dtype": None,
+        }
         inputs = None if w4a16 else {**weights, "dynamic": "local", "observer": "static_minmax"}
         return {
             "quant_method": "compressed-tensors",
@@ -225,15 +285,23 @@ def nvfp4_quant_config(exclusions: list[str], dialect: str, input_mode: str) -> 
             "global_compression_ratio": None,
             "kv_cache_scheme": None,
             IGNORE: ct_ignore(excl),
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": inputs, "output_activations": None,
-                                          "format": "nvfp4-pack-quantized"}},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": inputs,
+                    "output_activations": None,
+                    "format": "nvfp4-pack-quantized",
+                }
+            },
             "producer": dict(PRODUCER),
         }, {}
     raise PlanError(f"unknown NVFP4 dialect {dialect!r}")
 
 
-def quant_config(scheme: str, dialect: str, exclusions: list[str], input_mode: str) -> tuple[dict | None, dict[str, dict]]:
+def quant_config(
+    scheme: str, dialect: str, exclusions: list[str], input_mode: str
+) -> tuple[dict | None, dict[str, dict]]:
     """(config.json quantization_config or None for bf16, extra json files) of a (scheme, dialect)."""
     if scheme == MXFP8:
         return mxfp8_quant_config(exclusions, dialect)
@@ -279,47 +347,76 @@ def engine_support(scheme: str, dialect: str, moe: bool = False, layout: dict | 
     moe_flags = ["--moe-runner-backend", "flashinfer_trtllm_routed"] if moe else []
     if layout:
         eng = layout.get("engine", "?")
-        return [EngineSupport(e, e == eng, "SM100+ (FlashInfer TRT-LLM MoE kernels)", [],
-                              f"pre-shuffled {layout.get('layout')} v{layout.get('layout_version')} expert layout for "
-                              f"{eng} (tp={layout.get('tp')}, ep={layout.get('ep')}, FlashInfer "
-                              f"{layout.get('flashinfer_version')}): load through qconvert's loader, not the stock disk loader"
-                              if e == eng else f"layout was written for {eng}")
-                for e in ("vllm", "sglang")]
+        return [
+            EngineSupport(
+                e,
+                e == eng,
+                "SM100+ (FlashInfer TRT-LLM MoE kernels)",
+                [],
+                f"pre-shuffled {layout.get('layout')} v{layout.get('layout_version')} expert layout for "
+                f"{eng} (tp={layout.get('tp')}, ep={layout.get('ep')}, FlashInfer "
+                f"{layout.get('flashinfer_version')}): load through qconvert's loader, not the stock disk loader"
+                if e == eng
+                else f"layout was written for {eng}",
+            )
+            for e in ("vllm", "sglang")
+        ]
     if scheme == BF16:
         return [EngineSupport("vllm", True, "any", []), EngineSupport("sglang", True, "any", [])]
     if scheme == MXFP8:
         vllm_ok = dialect in ("auto", "modelopt", "flat", "compressed-tensors")
         sgl_ok = dialect in ("auto", "sglang", "modelopt")
         return [
-            EngineSupport("vllm", vllm_ok, "SM80-SM90 via Marlin W8A16, SM100+ via FlashInfer MXFP8 GEMMs", [],
-                          "" if vllm_ok else (f"{WEIGHT_SCALE_INV} tensors are unexpected in vLLM (load error); "
-                                              "re-convert with --dialect auto")),
-            EngineSupport("sglang", sgl_ok, "SM100+ only (B200/GB200/B300; SM90 refused)",
-                          ["--fp8-gemm-backend", "flashinfer_trtllm"] + moe_flags,
-                          "" if sgl_ok else "SGLang does not read this MXFP8 dialect; re-convert with --dialect auto"),
+            EngineSupport(
+                "vllm",
+                vllm_ok,
+                "SM80-SM90 via Marlin W8A16, SM100+ via FlashInfer MXFP8 GEMMs",
+                [],
+                ""
+                if vllm_ok
+                else (
+                    f"{WEIGHT_SCALE_INV} tensors are unexpected in vLLM (load error); re-convert with --dialect auto"
+                ),
+            ),
+            EngineSupport(
+                "sglang",
+                sgl_ok,
+                "SM100+ only (B200/GB200/B300; SM90 refused)",
+                ["--fp8-gemm-backend", "flashinfer_trtllm"] + moe_flags,
+                "" if sgl_ok else "SGLang does not read this MXFP8 dialect; re-convert with --dialect auto",
+            ),
         ]
     if scheme == NVFP4:
         return [
             EngineSupport("vllm", True, "SM100+ native FP4; SM80-SM90 via Marlin W4A16 (weight-only)", []),
-            EngineSupport("sglang", True, "SM100+ native FP4", moe_flags if dialect == "modelopt" else [],
-                          "", [("SM80-SM90", ["--fp4-gemm-backend", "marlin"])] if dialect == "modelopt" else []),
+            EngineSupport(
+                "sglang",
+                True,
+                "SM100+ native FP4",
+                moe_flags if dialect == "modelopt" else [],
+                "",
+                [("SM80-SM90", ["--fp4-gemm-backend", "marlin"])] if dialect == "modelopt" else [],
+            ),
         ]
     if scheme in ("fp8", "fp8-block"):
         return [EngineSupport("vllm", True, "SM89+ (FP8)", []), EngineSupport("sglang", True, "SM89+ (FP8)", [])]
-    return [EngineSupport("vllm", False, "", [], "unknown format"), EngineSupport("sglang", False, "", [], "unknown format")]
+    return [
+        EngineSupport("vllm", False, "", [], "unknown format"),
+        EngineSupport("sglang", False, "", [], "unknown format"),
+    ]
 
 
 # ---- human descriptions (model card) ---------------------------------------------------------------
 
 DIALECT_TEXT = {
     (MXFP8, "auto"): "`quant_method: mxfp8`, `weight_scale` uint8 [N, K/32], exclusions in `ignored_layers` and "
-                     "`modules_to_not_convert` (loads in vLLM and SGLang)",
+    "`modules_to_not_convert` (loads in vLLM and SGLang)",
     (MXFP8, "sglang"): "SGLang/miles: `quant_method: mxfp8`, `weight_scale_inv` uint8 [N, K/32] (an E8M0 byte, not an "
-                       "inverse), exclusions in `modules_to_not_convert` (SGLang only)",
+    "inverse), exclusions in `modules_to_not_convert` (SGLang only)",
     (MXFP8, "modelopt"): "ModelOpt: `quant_method: modelopt`, `quant_algo: MXFP8`, `weight_scale` uint8 [N, K/32], "
-                         "`ignore` + `hf_quant_config.json`",
+    "`ignore` + `hf_quant_config.json`",
     (NVFP4, "modelopt"): "ModelOpt `modelopt_fp4`: packed `weight` uint8 [N, K/2], `weight_scale` E4M3 [N, K/16], "
-                         "`weight_scale_2` = amax/2688 (decode), `input_scale`",
+    "`weight_scale_2` = amax/2688 (decode), `input_scale`",
     (NVFP4, "compressed-tensors"): "compressed-tensors `nvfp4-pack-quantized`: `weight_packed` uint8 [N, K/2], "
-                                   "`weight_scale` E4M3 [N, K/16], `weight_global_scale` = 2688/amax (encode)",
+    "`weight_scale` E4M3 [N, K/16], `weight_global_scale` = 2688/amax (encode)",
 }

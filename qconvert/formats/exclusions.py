@@ -87,6 +87,7 @@ def ct_ignore(exclusions: list[str]) -> list[str]:
 
 # ---- matchers -----------------------------------------------------------------------------------
 
+
 def sglang_dotted_excluded(prefix: str, entries: list[str]) -> bool:
     """SGLang Fp8Config's dotted-path rule (docs/formats.md#exclusion-matchers), on an HF module path."""
     forms = set()
@@ -127,7 +128,7 @@ def ct_excluded(prefix: str, entries: list[str]) -> bool:
     for e in entries:
         if e.startswith(CT_REGEX_PREFIX):
             try:
-                if re.match(e[len(CT_REGEX_PREFIX):], prefix):
+                if re.match(e[len(CT_REGEX_PREFIX) :], prefix):
                     return True
             except re.error:
                 continue
@@ -139,7 +140,12 @@ def ct_excluded(prefix: str, entries: list[str]) -> bool:
 Matcher = Callable[[str, list, bool], bool]
 
 #: consumer names (also the engine a report names)
-SGLANG, VLLM, SGLANG_MODELOPT, COMPRESSED_TENSORS = "SGLang", "vLLM", "SGLang ModelOpt", "compressed-tensors (vLLM/SGLang)"
+SGLANG, VLLM, SGLANG_MODELOPT, COMPRESSED_TENSORS = (
+    "SGLang",
+    "vLLM",
+    "SGLang ModelOpt",
+    "compressed-tensors (vLLM/SGLang)",
+)
 
 
 def matchers(scheme: str, dialect: str) -> list[tuple[str, Matcher]]:

@@ -29,8 +29,15 @@ VERSION_KEY = "qconvert_version"
 LAYOUT_KEY = "layout"
 
 
-def scheme_keys(scheme: str, dialect: str, *, recipe: str | None = None, global_div: int | None = None,
-                input_mode: str | None = None, input_scales_from=None) -> dict:
+def scheme_keys(
+    scheme: str,
+    dialect: str,
+    *,
+    recipe: str | None = None,
+    global_div: int | None = None,
+    input_mode: str | None = None,
+    input_scales_from=None,
+) -> dict:
     """The manifest's keys that say how the scheme was applied (recipe, scale rule, activations).
     ``global_div``: NVFP4's global-scale numerator for the recipe (``scale_2 = amax / global_div``,
     numerics.nvfp4.global_div)."""
@@ -43,16 +50,33 @@ def scheme_keys(scheme: str, dialect: str, *, recipe: str | None = None, global_
     if scheme == NVFP4:
         out["recipe"] = recipe
         out["scale_rule"] = NVFP4_SCALE_RULE[recipe]
-        out["global_scale"] = (f"{WEIGHT_SCALE_2} = group amax / {global_div} (decode)" if dialect == "modelopt"
-                               else f"{WEIGHT_GLOBAL_SCALE} = {global_div} / group amax (encode)")
+        out["global_scale"] = (
+            f"{WEIGHT_SCALE_2} = group amax / {global_div} (decode)"
+            if dialect == "modelopt"
+            else f"{WEIGHT_GLOBAL_SCALE} = {global_div} / group amax (encode)"
+        )
         out["fused_groups_share_global_scale"] = list(NVFP4_SHARED_GLOBAL_SCALE)
         out["activations"] = NVFP4_ACTIVATIONS_TEXT[input_mode].format(source=input_scales_from)
     return out
 
 
-def build(*, version: str, created: str, scheme: str, dialect: str, source: dict, options: dict,
-          non_finite_allowed: bool, bf16_layers: list, exclusions: list, output_sha: dict, output_note: str | None,
-          scheme_keys: dict, layout: dict | None, tensors: dict) -> dict:
+def build(
+    *,
+    version: str,
+    created: str,
+    scheme: str,
+    dialect: str,
+    source: dict,
+    options: dict,
+    non_finite_allowed: bool,
+    bf16_layers: list,
+    exclusions: list,
+    output_sha: dict,
+    output_note: str | None,
+    scheme_keys: dict,
+    layout: dict | None,
+    tensors: dict,
+) -> dict:
     """The manifest of a conversion, key order as written. ``source`` is the ``source`` section
     (id, revision, architecture, sha256[, sha256_note][, quantized]); ``scheme_keys`` is
     :func:`scheme_keys`' result; ``layout`` is the layout section or None; ``tensors`` maps module ->
@@ -68,8 +92,10 @@ def build(*, version: str, created: str, scheme: str, dialect: str, source: dict
         "non_finite_allowed": bool(non_finite_allowed),
         "bf16_layers": bf16_layers,
         "exclusions": exclusions,
-        "outputs": {"sha256": {n: d for n, d in output_sha.items() if d},
-                    **({} if output_note is None else {"sha256_note": output_note})},
+        "outputs": {
+            "sha256": {n: d for n, d in output_sha.items() if d},
+            **({} if output_note is None else {"sha256_note": output_note}),
+        },
         "tensors": {},
     }
     manifest.update(scheme_keys)
@@ -104,6 +130,7 @@ def find_layouts(manifest: dict | None) -> list[dict]:
         elif isinstance(x, list):
             for v in x:
                 walk(v)
+
     walk(manifest or {})
     return out
 

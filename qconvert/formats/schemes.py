@@ -51,7 +51,9 @@ SCHEME_TEXT = {
 }
 
 #: the manifest's description of each recipe's scale rule
-MXFP8_SCALE_RULE = "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (docs/formats.md#mxfp8-scale-rule)"
+MXFP8_SCALE_RULE = (
+    "RCEIL: E = ceil(log2(amax/448)) in fp32, elements e4m3 RNE of x*2^-E (docs/formats.md#mxfp8-scale-rule)"
+)
 NVFP4_SCALE_RULE = {
     "te": "TransformerEngine / FlashInfer (no fast math) order: s = e4m3(amax_blk * (S_enc / 6)), codes e2m1_rn(x * 1/(s / S_enc)), S_enc = 2688 / global amax",
     "modelopt": "ModelOpt NVFP4QTensor order: s = e4m3(clamp(amax_blk / (6 * ws2), 2^-9, 448)), codes e2m1_rne(x / (s * ws2)), ws2 = global amax / 2688",
@@ -59,11 +61,16 @@ NVFP4_SCALE_RULE = {
 }
 #: MXFP8's scale byte of an all-zero block (docs/formats.md#mxfp8-byte-zero)
 MXFP8_ZERO_BLOCK_SCALE_BYTE = 1
-MXFP8_ZERO_POLICY = ("E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 "
-                     "(all-zero blocks) differ from online quantizers")
+MXFP8_ZERO_POLICY = (
+    "E8M0 byte 0 never written: exponent clamped to >= -126 (byte 1); only blocks with amax < 448*2^-127 "
+    "(all-zero blocks) differ from online quantizers"
+)
 #: the manifest's ``activations`` text per NVFP4 input mode
-NVFP4_ACTIVATIONS_TEXT = {"weight-only": "W4A16: no input scales", "unit": "W4A4 with input scale 1.0",
-                          "copied": "W4A4 with input scales copied from {source}"}
+NVFP4_ACTIVATIONS_TEXT = {
+    "weight-only": "W4A16: no input scales",
+    "unit": "W4A4 with input scale 1.0",
+    "copied": "W4A4 with input scales copied from {source}",
+}
 #: NVFP4 fused groups sharing one global scale (docs/formats.md#nvfp4-shared-global-scales)
 NVFP4_SHARED_GLOBAL_SCALE = ["q/k/v", "dense gate/up", "expert gate/up"]
 

@@ -57,10 +57,22 @@ _HEX_RE = re.compile(r"^[0-9a-f]+$")
 
 #: bytes per element of each safetensors dtype tag that may be staged
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -76,8 +88,7 @@ def staging_root() -> Path:
 def check_name(name: str) -> None:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise StagingError(
-            f"staging name {name!r} is invalid; use letters, digits, '.', '_' or '-' (max 128, "
-            "not starting with a dot)"
+            f"staging name {name!r} is invalid; use letters, digits, '.', '_' or '-' (max 128, not starting with a dot)"
         )
 
 
@@ -126,13 +137,18 @@ class FileSpec:
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "size": self.size, "rank": None if self.rank is None else list(self.rank),
-                "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+        return {
+            "name": self.name,
+            "size": self.size,
+            "rank": None if self.rank is None else list(self.rank),
+            "tensors": {n: t.to_json() for n, t in self.tensors.items()},
+        }
 
 
 @dataclass(frozen=True)
 class AreaSpec:
     """``area.json``: fixed when the area is created."""
+
     contract: dict
     digest: str
     tp: int
@@ -141,8 +157,15 @@ class AreaSpec:
     extra_files: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"format": FORMAT_V2, "contract": self.contract, "digest": self.digest, "tp": self.tp,
-                "ep": self.ep, "files": [f.to_json() for f in self.files], "extra_files": list(self.extra_files)}
+        return {
+            "format": FORMAT_V2,
+            "contract": self.contract,
+            "digest": self.digest,
+            "tp": self.tp,
+            "ep": self.ep,
+            "files": [f.to_json() for f in self.files],
+            "extra_files": list(self.extra_files),
+        }
 
     def mismatch(self, other: AreaSpec) -> str | None:
         """First difference that makes ``other`` not fit an area made as ``self`` (one phrase), else None."""
@@ -162,8 +185,9 @@ class AreaSpec:
         if [(f.name, f.size, f.rank) for f in self.files] != [(f.name, f.size, f.rank) for f in other.files]:
             return "the file layout differs"
         if self.contract != other.contract:
-            diff = sorted(k for k in set(self.contract) | set(other.contract)
-                          if self.contract.get(k) != other.contract.get(k))
+            diff = sorted(
+                k for k in set(self.contract) | set(other.contract) if self.contract.get(k) != other.contract.get(k)
+            )
             return f"the layout contract differs in {', '.join(diff)}"
         if self.digest != other.digest or tuple(self.extra_files) != tuple(other.extra_files):
             return "the digest kind or extra files differ"
@@ -173,19 +197,25 @@ class AreaSpec:
 @dataclass(frozen=True)
 class Commit:
     """``commit.json``: which slot holds the current version."""
+
     slot: int
     version: int
     digests: dict[str, str]
     time: float
 
     def to_json(self) -> dict:
-        return {"slot": self.slot, "version": self.version, "digests": dict(sorted(self.digests.items())),
-                "time": self.time}
+        return {
+            "slot": self.slot,
+            "version": self.version,
+            "digests": dict(sorted(self.digests.items())),
+            "time": self.time,
+        }
 
 
 @dataclass(frozen=True)
 class AreaView:
     """What a reader needs of a committed area, version 1 or 2."""
+
     root: Path
     format: str  # FORMAT_V1 or FORMAT_V2
     directory: Path  # where the committed files are (v1: root; v2: root/slot-K)
@@ -214,8 +244,10 @@ def files_for_rank(view: AreaView | AreaSpec, tp_rank: int, ep_rank: int) -> lis
     A TP-only or EP-only server passes 0 for the other rank.
     """
     if not (0 <= tp_rank < view.tp and 0 <= ep_rank < view.ep):
-        raise StagingError(f"rank tp={tp_rank} ep={ep_rank} is outside the staging area's tp={view.tp} ep={view.ep}; "
-                           "serve it with the tensor/expert parallel sizes it was staged for")
+        raise StagingError(
+            f"rank tp={tp_rank} ep={ep_rank} is outside the staging area's tp={view.tp} ep={view.ep}; "
+            "serve it with the tensor/expert parallel sizes it was staged for"
+        )
     return [f for f in view.files if f.rank is None or f.rank == (tp_rank, ep_rank)]
 
 
@@ -252,8 +284,9 @@ def _parse_files(raw, tp: int, ep: int, where: str, v2: bool) -> tuple[FileSpec,
             raise _bad(where, "a 'files' entry is not an object")
         name = f.get("name")
         m = FILE_RE.match(name) if isinstance(name, str) else None
-        if m is None and (v2 or not (isinstance(name, str) and EXTRA_FILE_RE.match(name)
-                                     and name.endswith(".safetensors"))):
+        if m is None and (
+            v2 or not (isinstance(name, str) and EXTRA_FILE_RE.match(name) and name.endswith(".safetensors"))
+        ):
             raise _bad(where, f"file name {name!r} is not a staging file name")
         if name in names:
             raise _bad(where, f"file {name} is listed twice")
@@ -312,8 +345,14 @@ def parse_area(obj, where: str = AREA_JSON) -> AreaSpec:
         raise _bad(where, "'contract' is not an object")
     tp = _int(obj.get("tp"), where, "tp", 1)
     ep = _int(obj.get("ep"), where, "ep", 1)
-    return AreaSpec(obj["contract"], obj["digest"], tp, ep, _parse_files(obj.get("files"), tp, ep, where, True),
-                    _parse_extra(obj.get("extra_files", []), where))
+    return AreaSpec(
+        obj["contract"],
+        obj["digest"],
+        tp,
+        ep,
+        _parse_files(obj.get("files"), tp, ep, where, True),
+        _parse_extra(obj.get("extra_files", []), where),
+    )
 
 
 def parse_commit(obj, spec: AreaSpec, where: str = COMMIT_JSON) -> Commit:
@@ -366,8 +405,7 @@ def parse_manifest_v1(obj, root: Path, where: str = MANIFEST_V1) -> AreaView:
         if not isinstance(f, dict):
             raise _bad(where, f"file {fname}: entry is not an object")
         if fname.endswith(".safetensors"):
-            raw.append({"name": fname, "size": f.get("size"), "rank": f.get("rank"),
-                        "tensors": by_file.get(fname, {})})
+            raw.append({"name": fname, "size": f.get("size"), "rank": f.get("rank"), "tensors": by_file.get(fname, {})})
         else:
             extra.append(fname)
     digests = {}
@@ -379,8 +417,18 @@ def parse_manifest_v1(obj, root: Path, where: str = MANIFEST_V1) -> AreaView:
     contract = obj.get("contract")
     if not isinstance(contract, dict):
         raise _bad(where, "'contract' is not an object")
-    return AreaView(Path(root), FORMAT_V1, Path(root), _parse_files(raw, tp, ep, where, False), contract,
-                    DIGEST_SHA256, digests, tp, ep, extra_files=tuple(_parse_extra(extra, where)))
+    return AreaView(
+        Path(root),
+        FORMAT_V1,
+        Path(root),
+        _parse_files(raw, tp, ep, where, False),
+        contract,
+        DIGEST_SHA256,
+        digests,
+        tp,
+        ep,
+        extra_files=tuple(_parse_extra(extra, where)),
+    )
 
 
 # ----------------------------------------------------------------------------- small files
@@ -465,12 +513,25 @@ def read_area(root: Path) -> AreaView:
         commit = read_commit(root, spec)
         if commit is None:
             raise StagingError(f"staging area {root}: nothing committed yet; run a refit into it first")
-        return AreaView(root, FORMAT_V2, slot_dir(root, commit.slot), spec.files, spec.contract, spec.digest,
-                        commit.digests, spec.tp, spec.ep, commit.version, commit.slot, spec.extra_files)
+        return AreaView(
+            root,
+            FORMAT_V2,
+            slot_dir(root, commit.slot),
+            spec.files,
+            spec.contract,
+            spec.digest,
+            commit.digests,
+            spec.tp,
+            spec.ep,
+            commit.version,
+            commit.slot,
+            spec.extra_files,
+        )
     if os.path.lexists(root / MANIFEST_V1):
         return parse_manifest_v1(read_json(root / MANIFEST_V1), root, str(root / MANIFEST_V1))
-    raise StagingError(f"{root}: neither {AREA_JSON} nor {MANIFEST_V1}; not a staging area "
-                       "(`qconvert stage list` shows them)")
+    raise StagingError(
+        f"{root}: neither {AREA_JSON} nor {MANIFEST_V1}; not a staging area (`qconvert stage list` shows them)"
+    )
 
 
 # ----------------------------------------------------------------------------- slot locks
@@ -495,7 +556,8 @@ class SlotLock:
                     who = "a writer" if shared else "a server reading it"
                     raise StagingError(
                         f"staging area {self.root}: slot {slot} is held by {who} for more than {wait_s:g} s; "
-                        "wait for that reload/refit to finish (or raise lock_wait_s)") from None
+                        "wait for that reload/refit to finish (or raise lock_wait_s)"
+                    ) from None
                 time.sleep(0.01)
         self._fd: int | None = fd
 

@@ -61,6 +61,7 @@ class RefitError(QConvertError):
 @dataclass
 class Staged:
     """A committed version of a staging area."""
+
     root: Path  # the area (area.json, config.json, ...)
     path: Path  # the committed slot directory (the safetensors files)
     version: int
@@ -94,8 +95,12 @@ def _reference_files(reference: Path, skip: set[str]) -> dict[str, bytes]:
 
     out = {}
     for p in sorted(reference.iterdir()):
-        if (p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and not p.name.startswith(".")
-                and p.name not in skip and fs.EXTRA_FILE_RE.match(p.name)):
+        if (
+            p.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken")
+            and not p.name.startswith(".")
+            and p.name not in skip
+            and fs.EXTRA_FILE_RE.match(p.name)
+        ):
             out[p.name] = read_member(reference, p)  # guarded, as every checkpoint read
     return out
 
@@ -165,10 +170,24 @@ class Refitter:
 
     _BATCHED: bool | None = None  # batched checks and copies: None = on CUDA (tests set True on CPU)
 
-    def __init__(self, reference: str | os.PathLike, options=None, name: str = "refit", urls: Iterable[str] = (),
-                 engine: str = "vllm", *, rank: int = 0, world_size: int = 1, root: str | os.PathLike | None = None,
-                 lock_wait_s: float = 60.0, rendezvous_timeout_s: float = 600.0, api_key: str | None = None,
-                 pause: str | None = None, verify: bool = False, hash_threads: int | None = None):
+    def __init__(
+        self,
+        reference: str | os.PathLike,
+        options=None,
+        name: str = "refit",
+        urls: Iterable[str] = (),
+        engine: str = "vllm",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        root: str | os.PathLike | None = None,
+        lock_wait_s: float = 60.0,
+        rendezvous_timeout_s: float = 600.0,
+        api_key: str | None = None,
+        pause: str | None = None,
+        verify: bool = False,
+        hash_threads: int | None = None,
+    ):
         from qconvert import __version__
         from qconvert.convert import jobs as jobs_mod
         from qconvert.convert.jobs import build_jobs
@@ -183,11 +202,15 @@ class Refitter:
         if engine not in ("vllm", "sglang"):
             raise RefitError(f"engine {engine!r}: use vllm or sglang")
         if engine == "sglang" and list(urls):
-            raise RefitError("SGLang servers cannot read a refit staging area (two slots, per-rank files) yet; "
-                             "refit vLLM servers, or reload SGLang from a converted checkpoint (`qconvert reload sglang`)")
+            raise RefitError(
+                "SGLang servers cannot read a refit staging area (two slots, per-rank files) yet; "
+                "refit vLLM servers, or reload SGLang from a converted checkpoint (`qconvert reload sglang`)"
+            )
         if opts.layout and opts.engine != engine:
-            raise RefitError(f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
-                             f"engine {engine!r}; pre-shuffle for the engine that serves")
+            raise RefitError(
+                f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
+                f"engine {engine!r}; pre-shuffle for the engine that serves"
+            )
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
             raise RefitError(f"rank {rank!r} / world_size {world_size!r}: need 0 <= rank < world_size")
         if opts.device != "cpu" and not torch.cuda.is_available():
@@ -204,11 +227,14 @@ class Refitter:
         from qconvert.convert import fused
 
         config, inv = reference_inventory(self.reference)
-        inv, self._views = fused.expand(inv, config)  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
+        inv, self._views = fused.expand(
+            inv, config
+        )  # a fused reference is planned per expert (docs/formats.md#fused-expert-tensors)
         self._config, self._inv = config, inv
         popts = opts.plan
         if self._views and popts.keep_bf16:  # as the converter: a fused name keeps its layer's experts
             import dataclasses
+
             popts = dataclasses.replace(popts, keep_bf16=fused.keep_patterns(popts.keep_bf16, self._views))
         plan = build_plan(inv, config, popts)
         scheme = opts.scheme
@@ -246,12 +272,13 @@ class Refitter:
                     rank_of = None
                     if m is not None and (tp, ep) != (1, 1):
                         from qconvert.convert.layout_jobs import parse_rank_tag
+
                         rank_of = parse_rank_tag(m.group(1))
                     tag = staging.dtype_tag(o.dtype)
                     by_file.setdefault((self._gidx[k], rank_of), []).append((o.name, tag, tuple(o.shape)))
                     outputs.append((o.name, tag, tuple(o.shape)))
         files, headers = [], {}
-        for (g, r) in sorted(by_file, key=lambda x: (x[0], x[1] is not None, x[1] or (0, 0))):
+        for g, r in sorted(by_file, key=lambda x: (x[0], x[1] is not None, x[1] or (0, 0))):
             for f, head in staging.pack_v2(g, r, by_file[(g, r)]):
                 files.append(f)
                 headers[f.name] = head
@@ -264,12 +291,18 @@ class Refitter:
         layout = None
         extra_files = {fname: (json.dumps(obj, indent=2) + "\n").encode() for fname, obj in extra.items()}
         extra_files["config.json"] = (json.dumps(out_config, indent=2) + "\n").encode()
-        manifest = {VERSION_KEY: __version__, "scheme": scheme, "dialect": dialect,
-                    "engines": dialects.engines_for(scheme, dialect),
-                    "source": {"id": str(self.reference.resolve()), "architecture": plan.arch_name, "refit": True},
-                    "exclusions": plan.exclusions, **scheme_keys(scheme, dialect, opts)}
+        manifest = {
+            VERSION_KEY: __version__,
+            "scheme": scheme,
+            "dialect": dialect,
+            "engines": dialects.engines_for(scheme, dialect),
+            "source": {"id": str(self.reference.resolve()), "architecture": plan.arch_name, "refit": True},
+            "exclusions": plan.exclusions,
+            **scheme_keys(scheme, dialect, opts),
+        }
         if opts.layout:
             from qconvert.convert.layout_jobs import layout_manifest
+
             layout = manifest[LAYOUT_KEY] = layout_manifest(plan, built.layout_layers, opts.engine, opts.tp, opts.ep)
         manifest["tensors"] = module_formats(plan, scheme)
         extra_files[MANIFEST_NAME] = (json.dumps(manifest, indent=2) + "\n").encode()
@@ -280,8 +313,9 @@ class Refitter:
         self._open_area(headers, extra_files)
 
         self._maps = staging.SlotMaps(self.area, self.spec, cuda=self._dev.type == "cuda")
-        self._pool = ThreadPoolExecutor(hash_threads or min(16, os.cpu_count() or 1),
-                                        thread_name_prefix="qconvert-refit-digest")
+        self._pool = ThreadPoolExecutor(
+            hash_threads or min(16, os.cpu_count() or 1), thread_name_prefix="qconvert-refit-digest"
+        )
         self._copier = _Copier(self._dev.type == "cuda", self._hash_files)
         self._lock: fs.SlotLock | None = None
         self._reported = 0  # last version this rank reported (sharded) or committed
@@ -300,15 +334,19 @@ class Refitter:
             return
         if self.rank == 0:
             if os.path.lexists(self.area):
-                raise RefitError(f"{self.area}: exists but is not a refit staging area (no {fs.AREA_JSON}); "
-                                 f"drop it with `qconvert stage drop {self.name}` or choose another name")
+                raise RefitError(
+                    f"{self.area}: exists but is not a refit staging area (no {fs.AREA_JSON}); "
+                    f"drop it with `qconvert stage drop {self.name}` or choose another name"
+                )
             staging.create_area_v2(self.name, self.spec, headers, extra, root=self.root)
             return
         deadline = time.monotonic() + self.rendezvous_timeout_s
         while not os.path.lexists(self.area / fs.AREA_JSON):  # rank 0 creates it
             if time.monotonic() > deadline:
-                raise RefitError(f"staging area {self.area}: trainer rank 0 did not create it within "
-                                 f"{self.rendezvous_timeout_s:g} s; start a Refitter on rank 0")
+                raise RefitError(
+                    f"staging area {self.area}: trainer rank 0 did not create it within "
+                    f"{self.rendezvous_timeout_s:g} s; start a Refitter on rank 0"
+                )
             time.sleep(0.05)
         self._check_existing()
 
@@ -316,8 +354,10 @@ class Refitter:
         have = fs.read_area_spec(self.area)
         why = have.mismatch(self.spec)
         if why:
-            raise RefitError(f"staging area {self.area} was created for other weights or options: {why}; "
-                             f"drop it (`qconvert stage drop {self.name}`) or refit into another name")
+            raise RefitError(
+                f"staging area {self.area} was created for other weights or options: {why}; "
+                f"drop it (`qconvert stage drop {self.name}`) or refit into another name"
+            )
 
     # ------------------------------------------------------------------ one version
 
@@ -340,8 +380,10 @@ class Refitter:
             if have >= self._reported:
                 break
             if time.monotonic() > deadline:  # rank 0 has not committed what this rank reported
-                raise RefitError(f"staging area {self.area}: version {self._reported} staged by trainer rank "
-                                 f"{self.rank} was never committed by rank 0 within {self.rendezvous_timeout_s:g} s")
+                raise RefitError(
+                    f"staging area {self.area}: version {self._reported} staged by trainer rank "
+                    f"{self.rank} was never committed by rank 0 within {self.rendezvous_timeout_s:g} s"
+                )
             time.sleep(0.02)
         slot = fs.next_slot(commit)
         if self.world_size > 1:  # a report of this rank from before a crash no longer stands
@@ -374,14 +416,17 @@ class Refitter:
     def _take(self, name: str, t) -> None:
         key = self._group_of_source.get(name)
         if key is None:
-            raise RefitError(f"refit: tensor {name!r} is not in the reference checkpoint {self.reference}; "
-                             "the trainer's names must be the Hugging Face names")
+            raise RefitError(
+                f"refit: tensor {name!r} is not in the reference checkpoint {self.reference}; "
+                "the trainer's names must be the Hugging Face names"
+            )
         if not isinstance(t, torch.Tensor):
             raise RefitError(f"refit: {name} is a {type(t).__name__}, not a torch.Tensor")
         want_dtype, want_shape = self._inv[name]
         if tuple(t.shape) != want_shape or staging.TORCH_TO_TAG.get(t.dtype) != want_dtype:
-            raise RefitError(f"refit: {name} is {t.dtype} {list(t.shape)}, the reference has "
-                             f"{want_dtype} {list(want_shape)}")
+            raise RefitError(
+                f"refit: {name} is {t.dtype} {list(t.shape)}, the reference has {want_dtype} {list(want_shape)}"
+            )
         buf = self._buffers.setdefault(key, {})
         if name in buf or key in self._written:
             raise RefitError(f"refit: tensor {name!r} given twice in one version")
@@ -405,8 +450,9 @@ class Refitter:
             for o in j.outputs:
                 t = res[o.name]
                 if tuple(t.shape) != tuple(o.shape) or t.dtype != o.dtype:
-                    raise RefitError(f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected "
-                                     f"{o.dtype} {list(o.shape)}")
+                    raise RefitError(
+                        f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected {o.dtype} {list(o.shape)}"
+                    )
                 outs[o.name] = t
         del src, res
         dsts = []
@@ -455,12 +501,16 @@ class Refitter:
         try:
             partial = [k for k in self._buffers if self._buffers[k]]
             if partial:
-                raise RefitError(f"refit: trainer rank {self.rank}: {self._missing(partial)}; a rank sends every "
-                                 "tensor of the layers it owns" if self.world_size > 1 else
-                                 f"refit: {self._missing(partial)}; send every tensor of the model")
+                raise RefitError(
+                    f"refit: trainer rank {self.rank}: {self._missing(partial)}; a rank sends every "
+                    "tensor of the layers it owns"
+                    if self.world_size > 1
+                    else f"refit: {self._missing(partial)}; send every tensor of the model"
+                )
             if self.world_size == 1 and len(self._written) != len(self._keys):
-                raise RefitError(f"refit: {self._missing(set(self._keys) - self._written)}; send every tensor of "
-                                 "the model")
+                raise RefitError(
+                    f"refit: {self._missing(set(self._keys) - self._written)}; send every tensor of the model"
+                )
             digests = {n: f.result() for n, f in self._digests.items()}
             groups = sorted(self._gidx[k] for k in self._written)
             if self.world_size > 1:
@@ -482,8 +532,13 @@ class Refitter:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        staged = Staged(self.area, fs.slot_dir(self.area, commit.slot), commit.version, commit.slot,
-                        sum(f.size for f in self.spec.files))
+        staged = Staged(
+            self.area,
+            fs.slot_dir(self.area, commit.slot),
+            commit.version,
+            commit.slot,
+            sum(f.size for f in self.spec.files),
+        )
         self._reported = commit.version
         self._reset_version()
         return staged
@@ -503,9 +558,11 @@ class Refitter:
             if len(reports) < self.world_size:
                 if time.monotonic() > deadline:
                     missing = [r for r in range(self.world_size) if r not in reports]
-                    raise RefitError(f"refit: trainer rank{'s' if len(missing) > 1 else ''} "
-                                     f"{', '.join(map(str, missing))} never reported version {self._version} within "
-                                     f"{self.rendezvous_timeout_s:g} s; nothing committed (the previous version stays)")
+                    raise RefitError(
+                        f"refit: trainer rank{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(str, missing))} never reported version {self._version} within "
+                        f"{self.rendezvous_timeout_s:g} s; nothing committed (the previous version stays)"
+                    )
                 time.sleep(0.02)
         owner: dict[int, int] = {}
         digests: dict[str, str] = {}
@@ -513,19 +570,24 @@ class Refitter:
             for g in rep.get("groups", []):
                 if g in owner:
                     name = sorted(self._need[self._keys[g]])[0]
-                    raise RefitError(f"refit: tensor {name} was staged by trainer ranks {owner[g]} and {r}; each "
-                                     "layer must come from one rank; nothing committed")
+                    raise RefitError(
+                        f"refit: tensor {name} was staged by trainer ranks {owner[g]} and {r}; each "
+                        "layer must come from one rank; nothing committed"
+                    )
                 owner[g] = r
             digests.update(rep.get("digests", {}))
         none = [k for k in self._keys if self._gidx[k] not in owner]
         if none:
             names = sorted(s for k in none for s in self._need[k])
-            raise RefitError(f"refit: {len(names)} tensors were staged by no trainer rank (e.g. {names[:3]}); "
-                             "nothing committed")
+            raise RefitError(
+                f"refit: {len(names)} tensors were staged by no trainer rank (e.g. {names[:3]}); nothing committed"
+            )
         want = {f.name for f in self.spec.files}
         if set(digests) != want:
-            raise RefitError(f"refit: the ranks' reports do not cover the area's files "
-                             f"(e.g. {sorted(want ^ set(digests))[:2]}); nothing committed")
+            raise RefitError(
+                f"refit: the ranks' reports do not cover the area's files "
+                f"(e.g. {sorted(want ^ set(digests))[:2]}); nothing committed"
+            )
         return digests
 
     # ------------------------------------------------------------------ servers
@@ -544,7 +606,9 @@ class Refitter:
             return reload_vllm(self.urls, str(self.area), pause=self.pause or "wait", **kw)
         return []  # SGLang: refused when made with urls
 
-    def refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> RefitResult:
+    def refit(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> RefitResult:
         """:meth:`stage`, :meth:`commit`, :meth:`reload`."""
         t0 = time.perf_counter()
         self.stage(named_tensors)
@@ -641,8 +705,14 @@ def _digest_mapping(mm) -> str:
 # ---------------------------------------------------------------------- the one-call functions
 
 
-def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str | os.PathLike,
-                stage_name: str, options=None, root: Path | None = None) -> RefitResult:
+def stage_refit(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    reference: str | os.PathLike,
+    stage_name: str,
+    options=None,
+    root: Path | None = None,
+) -> RefitResult:
     """Quantize ``named_tensors`` with the converter's plan for ``reference`` and stage them as a
     committed version of ``stage_name`` (a :class:`Refitter` made, used once and closed)."""
     with Refitter(reference, options, stage_name, root=root) as r:
@@ -651,11 +721,22 @@ def stage_refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference:
         return RefitResult(r.commit(), tensors_in=n_in, tensors_out=n_out)
 
 
-def refit(named_tensors: Iterable[tuple[str, torch.Tensor]], *, reference: str | os.PathLike, urls: list[str],
-          engine: str = "vllm", stage_name: str = "refit", options=None, weight_version: str | None = None,
-          api_key: str | None = None, pause: str | None = None, verify: bool = False,
-          root: Path | None = None) -> RefitResult:
+def refit(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    reference: str | os.PathLike,
+    urls: list[str],
+    engine: str = "vllm",
+    stage_name: str = "refit",
+    options=None,
+    weight_version: str | None = None,
+    api_key: str | None = None,
+    pause: str | None = None,
+    verify: bool = False,
+    root: Path | None = None,
+) -> RefitResult:
     """Quantize and stage (see :func:`stage_refit`), then reload the staging area into ``urls``."""
-    with Refitter(reference, options, stage_name, urls, engine, root=root, api_key=api_key, pause=pause,
-                  verify=verify) as r:
+    with Refitter(
+        reference, options, stage_name, urls, engine, root=root, api_key=api_key, pause=pause, verify=verify
+    ) as r:
         return r.refit(named_tensors, weight_version)

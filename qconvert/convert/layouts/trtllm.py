@@ -214,9 +214,7 @@ def _split_halves(x: torch.Tensor, i: int, lo: int, hi: int) -> tuple[torch.Tens
     return x[:, lo:hi], x[:, i + lo : i + hi]
 
 
-def _pad_halves(
-    first: torch.Tensor, second: torch.Tensor, ip: int, cols: int, fill: int | float
-) -> torch.Tensor:
+def _pad_halves(first: torch.Tensor, second: torch.Tensor, ip: int, cols: int, fill: int | float) -> torch.Tensor:
     """Stack two halves of [E, i, c] rows into [E, 2ip, cols], each padded with ``fill``."""
     e, i, c = first.shape
     if i == ip and c == cols:
@@ -252,8 +250,7 @@ def _shape_of(scheme: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, in
     i, h = m // 2, k * per
     if tuple(w2.shape) != (e, h, i // per):
         raise LayoutError(
-            f"w2_weight has shape {tuple(w2.shape)}, expected {(e, h, i // per)} to match "
-            f"w13_weight {tuple(w13.shape)}"
+            f"w2_weight has shape {tuple(w2.shape)}, expected {(e, h, i // per)} to match w13_weight {tuple(w13.shape)}"
         )
     return e, i, h
 
@@ -281,9 +278,7 @@ def _check_inputs(scheme, w13, w2, w13_scale, w2_scale, e, i, h) -> None:
         if t is None:
             raise LayoutError(f"{scheme} experts need {name}")
         if tuple(t.shape) != shape or t.dtype != sdt:
-            raise LayoutError(
-                f"{name} is {tuple(t.shape)} {t.dtype}; expected linear {shape} {sdt}"
-            )
+            raise LayoutError(f"{name} is {tuple(t.shape)} {t.dtype}; expected linear {shape} {sdt}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +351,9 @@ def to_trtllm(
         sf = _SF_BLOCK[scheme]
         s13, s2 = w13_scale[e0:e1], w2_scale[e0:e1, :, lo // sf : hi // sf]
         if scheme == "mxfp8":
-            s13, s2 = _fix_zero_bytes(s13, "w13_weight_scale", zero_scale_byte), _fix_zero_bytes(
-                s2, "w2_weight_scale", zero_scale_byte
+            s13, s2 = (
+                _fix_zero_bytes(s13, "w13_weight_scale", zero_scale_byte),
+                _fix_zero_bytes(s2, "w2_weight_scale", zero_scale_byte),
             )
         a, b = _split_halves(s13, i_full, lo, hi)
         s13_r = _pad_halves(a, b, rs.ip, rs.hp // sf, pad.scale_pad)
@@ -571,9 +567,7 @@ def shard_transformed(
     if scheme == "bf16":
         bk = BLOCK_K_BYTES // 2
         g13 = full["w13_weight"].reshape(e, h // bk, m_full, bk)[:, :, 2 * i * r : 2 * i * (r + 1)]
-        g2 = full["w2_weight"].reshape(e, intermediate_size // bk, h, bk)[
-            :, i // bk * r : i // bk * (r + 1)
-        ]
+        g2 = full["w2_weight"].reshape(e, intermediate_size // bk, h, bk)[:, i // bk * r : i // bk * (r + 1)]
         if i % bk:
             raise LayoutError(f"per-rank I={i} is not a multiple of the BlockMajorK block {bk}")
         g13, g2 = g13.contiguous(), g2.contiguous()
@@ -663,9 +657,21 @@ def kernel_layout_contract(
 
 #: keys a loader must match exactly (sizes are checked against the model separately)
 CONTRACT_KEYS = (
-    "layout", "layout_version", "flashinfer_version", "engine", "scheme", "gate_up_order",
-    "gated_row_interleave", "epilogue_tile_m", "row_shuffle_block", "weight_layout",
-    "block_k_bytes", "scale_swizzle", "padding", "tp", "ep",
+    "layout",
+    "layout_version",
+    "flashinfer_version",
+    "engine",
+    "scheme",
+    "gate_up_order",
+    "gated_row_interleave",
+    "epilogue_tile_m",
+    "row_shuffle_block",
+    "weight_layout",
+    "block_k_bytes",
+    "scale_swizzle",
+    "padding",
+    "tp",
+    "ep",
 )
 
 
@@ -709,7 +715,7 @@ def stack_hf_experts(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str,
     for name, t in tensors.items():
         if not name.startswith(head):
             continue
-        parts = name[len(head):].split(".")
+        parts = name[len(head) :].split(".")
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _HF_PROJ or parts[2] not in _HF_SUFFIX:
             raise LayoutError(f"{name}: not an expert tensor of the form {prefix}.<e>.<proj>.<suffix>")
         e, (fused, half), suffix = int(parts[0]), _HF_PROJ[parts[1]], _HF_SUFFIX[parts[2]]
@@ -813,8 +819,13 @@ def untransform_moe_layer(
     for q in range(ep):
         parts = [
             from_trtllm(
-                scheme, engine, ranks[(r, q)], intermediate_size=intermediate_size,
-                hidden_size=hidden_size, tp=tp, **kwargs,
+                scheme,
+                engine,
+                ranks[(r, q)],
+                intermediate_size=intermediate_size,
+                hidden_size=hidden_size,
+                tp=tp,
+                **kwargs,
             )
             for r in range(tp)
         ]

@@ -60,8 +60,7 @@ def _shuffle(m: int, epilogue_tile_m: int) -> torch.Tensor:
     b = shuffle_block_size(epilogue_tile_m)
     if m % b:
         raise ValueError(
-            f"row count {m} is not a multiple of the {b}-row shuffle block "
-            f"(epilogue_tile_m={epilogue_tile_m})"
+            f"row count {m} is not a multiple of the {b}-row shuffle block (epilogue_tile_m={epilogue_tile_m})"
         )
     d = torch.arange(m, dtype=torch.long)
     # Output row d of a block of b rows reads source row (d % 8) * (b / 8) + (d % b) // 8:
@@ -236,9 +235,7 @@ def _unswizzle_src(rows: int, cols: int) -> torch.Tensor:
     return off.reshape(-1)
 
 
-def unswizzle_128x4(
-    buf: torch.Tensor, rows: int, cols: int, row_perm: torch.Tensor | None = None
-) -> torch.Tensor:
+def unswizzle_128x4(buf: torch.Tensor, rows: int, cols: int, row_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`swizzle_128x4`: ``[..., Mp*Kp]`` (or any shape with that many
     trailing bytes per leading index) back to linear ``[..., rows, cols]``.
 

@@ -102,8 +102,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
                 os.close(fd)
-                r = subprocess.run([cc, *_CFLAGS, *extra, str(_SRC), "-o", tmp], capture_output=True, text=True,
-                                   timeout=300)
+                r = subprocess.run(
+                    [cc, *_CFLAGS, *extra, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=300
+                )
                 if r.returncode:
                     os.unlink(tmp)
                     why = f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}"
@@ -115,8 +116,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 bad = _self_check(lib)
                 if bad:
                     os.unlink(tmp)
-                    why = (f"the {' '.join(extra) or 'baseline'} build by {cc} failed the self-check against "
-                           f"the torch chains ({bad})")
+                    why = (
+                        f"the {' '.join(extra) or 'baseline'} build by {cc} failed the self-check against "
+                        f"the torch chains ({bad})"
+                    )
                     _write_atomic(rejected, why)
                     continue
                 os.replace(tmp, out)  # atomic: concurrent builders each leave a complete, checked file
@@ -183,7 +186,7 @@ def _loop_paths():
 
 
 def _self_check(lib: ctypes.CDLL) -> str:
-    """"" if ``lib`` gives the torch chains' bytes on :func:`_self_check_inputs`, else what differed.
+    """ "" if ``lib`` gives the torch chains' bytes on :func:`_self_check_inputs`, else what differed.
     Runs the kernels directly (the library is not installed yet), through both the vector and the
     portable loops; each expected result is computed once."""
     from . import mxfp8, nvfp4
@@ -211,8 +214,18 @@ def _self_check(lib: ctypes.CDLL) -> str:
                 nvfp4.quantize_cpu_chain(xb, gt, nvfp4.recipe_scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
                 _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
                 for path in _loop_paths():
-                    lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], int(recipe == "te"), float(k0), float(k1),
-                                 int(g == 0), pk.data_ptr(), sc.data_ptr())
+                    lib.qc_nvfp4(
+                        xb.data_ptr(),
+                        kind,
+                        0,
+                        xb.shape[0],
+                        int(recipe == "te"),
+                        float(k0),
+                        float(k1),
+                        int(g == 0),
+                        pk.data_ptr(),
+                        sc.data_ptr(),
+                    )
                     if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
                         return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
     return ""
@@ -239,7 +252,7 @@ def baseline_reason() -> str | None:
 
 
 def status() -> str:
-    """"compiled C" (with why, for a baseline-ISA build) or why the torch chains are used on CPU."""
+    """ "compiled C" (with why, for a baseline-ISA build) or why the torch chains are used on CPU."""
     why = unavailable_reason()
     if why is not None:
         return f"torch op chains ({why})"
@@ -265,8 +278,7 @@ def abs_max_f32(x: torch.Tensor, workers: int) -> np.float32:
     lib = library()
     kind = _KIND[x.dtype]
     xp = x.data_ptr()
-    bits = max(run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20),
-               default=0)
+    bits = max(run_chunks(lambda i0, i1: lib.qc_absmax_bits(xp, kind, i0, i1), x.numel(), workers, 1 << 20), default=0)
     return np.uint32(bits).view(np.float32)  # bits <= 0x7FFFFFFF: the sign is clear
 
 
@@ -284,8 +296,16 @@ def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int)
     run_chunks(lambda b0, b1: lib.qc_mxfp8(xp, kind, b0, b1, qp, sp), xb.shape[0], workers)
 
 
-def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
-               packed: torch.Tensor, scale: torch.Tensor, workers: int) -> None:
+def nvfp4_into(
+    xb: torch.Tensor,
+    te: bool,
+    k0: float,
+    k1: float,
+    g_zero: bool,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    workers: int,
+) -> None:
     """Quantize contiguous blocks ``xb [n, 16]`` into ``packed [n, 8]`` and e4m3 ``scale [n]``
     with the per-tensor factors of the recipe (see ``cpu_kernels.c``)."""
     lib = library()
@@ -295,9 +315,19 @@ def nvfp4_into(xb: torch.Tensor, te: bool, k0: float, k1: float, g_zero: bool,
     run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)
 
 
-def decode_stats(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, elem_lut: torch.Tensor,
-                 scale_lut: torch.Tensor, s2: float, bound: float, atol: float, block: int, nibbles: bool,
-                 workers: int) -> tuple[float, float, bool, float, int]:
+def decode_stats(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    elem_lut: torch.Tensor,
+    scale_lut: torch.Tensor,
+    s2: float,
+    bound: float,
+    atol: float,
+    block: int,
+    nibbles: bool,
+    workers: int,
+) -> tuple[float, float, bool, float, int]:
     """Error statistics of an encoded tensor against its source ``x`` (contiguous BF16/FP32 CPU) in
     one pass, no decoded copy: ``(sum x^2, sum err^2, any decoded value non-finite, worst block
     ratio, first block with ratio > 1 or -1)``; see ``qc_decode_stats`` in ``cpu_kernels.c``.
@@ -313,12 +343,33 @@ def decode_stats(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ele
     def run(b0, b1):
         sums = np.zeros(2, dtype=np.float64)
         nonfinite, worst, first = ctypes.c_int32(0), ctypes.c_float(0.0), ctypes.c_int64(-1)
-        lib.qc_decode_stats(ptrs[0], kind, b0, b1, block, int(nibbles), ptrs[1], ptrs[2], ptrs[3], ptrs[4],
-                            s2, bound, atol, sums.ctypes.data, ctypes.byref(nonfinite), ctypes.byref(worst),
-                            ctypes.byref(first))
+        lib.qc_decode_stats(
+            ptrs[0],
+            kind,
+            b0,
+            b1,
+            block,
+            int(nibbles),
+            ptrs[1],
+            ptrs[2],
+            ptrs[3],
+            ptrs[4],
+            s2,
+            bound,
+            atol,
+            sums.ctypes.data,
+            ctypes.byref(nonfinite),
+            ctypes.byref(worst),
+            ctypes.byref(first),
+        )
         return float(sums[0]), float(sums[1]), bool(nonfinite.value), worst.value, first.value
 
     parts = run_chunks(run, n, workers, 1 << 12)
     firsts = [p[4] for p in parts if p[4] >= 0]
-    return (sum(p[0] for p in parts), sum(p[1] for p in parts), any(p[2] for p in parts),
-            max((p[3] for p in parts), default=0.0), firsts[0] if firsts else -1)
+    return (
+        sum(p[0] for p in parts),
+        sum(p[1] for p in parts),
+        any(p[2] for p in parts),
+        max((p[3] for p in parts), default=0.0),
+        firsts[0] if firsts else -1,
+    )

@@ -157,8 +157,17 @@ if triton is not None:
         return tl.fma(tl.fma(-q, d, x), r, q)
 
     @triton.jit
-    def _nvfp4_kernel(x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, TE: tl.constexpr,
-                      BF16_WORDS: tl.constexpr, BLOCKS: tl.constexpr):
+    def _nvfp4_kernel(
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        g_ptr,
+        scale_2_ptr,
+        n_blocks,
+        TE: tl.constexpr,
+        BF16_WORDS: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
         """Blocks of 16 with the global amax at ``g_ptr``; program 0 also writes ``scale_2``.
 
         ``BF16_WORDS``: ``x_ptr`` is BF16 data read as int32 words, two elements each (element 2j
@@ -248,8 +257,9 @@ def mxfp8_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(n, dtype=torch.uint8, device=xb.device)
     if n:
         with torch.cuda.device(xb.device):  # Triton launches on the current device
-            _mxfp8_kernel[_grid(n, MXFP8_PROGRAM_BLOCKS)](xb, q, s, n, BLOCKS=MXFP8_PROGRAM_BLOCKS,
-                                                           num_warps=MXFP8_WARPS, **_launch_options())
+            _mxfp8_kernel[_grid(n, MXFP8_PROGRAM_BLOCKS)](
+                xb, q, s, n, BLOCKS=MXFP8_PROGRAM_BLOCKS, num_warps=MXFP8_WARPS, **_launch_options()
+            )
     return q, s
 
 
@@ -266,7 +276,17 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     words = xb.dtype == torch.bfloat16
     blocks = NVFP4_PROGRAM_BLOCKS[recipe]
     with torch.cuda.device(xb.device):  # Triton launches on the current device
-        _nvfp4_kernel[_grid(max(n, 1), blocks)](xb.view(torch.int32) if words else xb, packed, scale, g, scale_2, n,
-                                                TE=recipe == "te", BF16_WORDS=words, BLOCKS=blocks,
-                                                num_warps=NVFP4_WARPS, **_launch_options())
+        _nvfp4_kernel[_grid(max(n, 1), blocks)](
+            xb.view(torch.int32) if words else xb,
+            packed,
+            scale,
+            g,
+            scale_2,
+            n,
+            TE=recipe == "te",
+            BF16_WORDS=words,
+            BLOCKS=blocks,
+            num_warps=NVFP4_WARPS,
+            **_launch_options(),
+        )
     return packed, scale, scale_2.reshape(())

@@ -52,8 +52,9 @@ def pow2_blocks(scale: torch.Tensor) -> torch.Tensor:
     return ((bits & 0x807FFFFF) == 0) & (expo > 0) & (expo < 255)
 
 
-def mxfp8_patch_lossless(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         block) -> tuple[int, int]:
+def mxfp8_patch_lossless(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
+) -> tuple[int, int]:
     """Overwrite, in the MXFP8 output ``q`` (E4M3 [N, K]) and ``s`` (E8M0 bytes [N, K/32]) of the
     dequantized tensor, every block with a power-of-two scale by the source's E4M3 bytes and the
     scale's exponent byte. Returns (lossless blocks, blocks). ``bk`` must be a multiple of 32."""

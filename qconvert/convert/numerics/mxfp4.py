@@ -40,7 +40,7 @@ def k_max_of(e8m0: torch.Tensor) -> int:
 
 def _pow2_e4m3_byte(d: torch.Tensor) -> torch.Tensor:
     """E4M3 byte of 2^d for d in [-9, 8]: exponent field d + 7 for d >= -6, else mantissa 2^(d + 9)."""
-    normal = ((d + 7) << 3)
+    normal = (d + 7) << 3
     sub = torch.bitwise_left_shift(torch.ones_like(d), (d + 9).clamp(min=0, max=2))
     return torch.where(d >= -6, normal, sub).to(torch.uint8)
 

@@ -50,8 +50,13 @@ def _pow2_from_biased(biased: torch.Tensor) -> torch.Tensor:
     return (biased.to(torch.int32) << 23).view(torch.float32)
 
 
-def _quantize_blocks(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                     fbuf: torch.Tensor | None = None, abuf: torch.Tensor | None = None) -> None:
+def _quantize_blocks(
+    xb: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    fbuf: torch.Tensor | None = None,
+    abuf: torch.Tensor | None = None,
+) -> None:
     """Quantize blocks ``xb`` [n, 32] into ``q`` [n, 32] (e4m3) and ``s`` [n] (uint8), in place.
 
     ``fbuf``/``abuf`` are optional fp32 scratch of at least n rows; the CPU path passes
@@ -99,7 +104,7 @@ def quantize_cpu_chain(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, worke
                 i = next(starts, None)
             if i is None:
                 return
-            _quantize_blocks(xb[i:i + chunk], q[i:i + chunk], s[i:i + chunk], fbuf, abuf)
+            _quantize_blocks(xb[i : i + chunk], q[i : i + chunk], s[i : i + chunk], fbuf, abuf)
 
     workers = max(1, workers)
     run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns

@@ -123,6 +123,7 @@ _TWO22 = 4194304.0  # 2^22
 _HI_BIAS = 0x1FFFFF - (252 << 22)  # round-half-up term of the 22 dropped bits, minus code offset
 _LO_BIAS = -((149 << 23) + 2)  # bits(2^22), and the "- 2" of lo + hi - 2
 
+
 def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values of 4-bit E2M1 codes (any integer tensor; only the low nibble is read).
 
@@ -336,8 +337,15 @@ def _block_amax(xb: torch.Tensor, fbuf: torch.Tensor | None = None) -> torch.Ten
     return (xb.view(it) & mask).amax(dim=-1).view(xb.dtype).float()
 
 
-def _quantize_blocks(xb: torch.Tensor, g: torch.Tensor, scale_2: torch.Tensor, recipe: str,
-                     packed: torch.Tensor, scale: torch.Tensor, bufs=None) -> None:
+def _quantize_blocks(
+    xb: torch.Tensor,
+    g: torch.Tensor,
+    scale_2: torch.Tensor,
+    recipe: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bufs=None,
+) -> None:
     """Quantize blocks ``xb [n, 16]`` into ``packed`` (uint8 [n, 8]) and ``scale`` (e4m3 [n]).
 
     ``bufs``: optional (fp32 [m, 16], int32 [m, 16] x 3, int64 [m, 8]) scratch with m >= n; the CPU
@@ -418,14 +426,17 @@ def quantize_cpu_chain(xb, g, scale_2, recipe, packed, scale, workers: int) -> N
     lock = threading.Lock()
 
     def work():
-        bufs = (torch.empty(chunk, NVFP4_BLOCK), *(torch.empty(chunk, NVFP4_BLOCK, dtype=torch.int32) for _ in range(3)),
-                torch.empty(chunk, NVFP4_BLOCK // 2, dtype=torch.int64))
+        bufs = (
+            torch.empty(chunk, NVFP4_BLOCK),
+            *(torch.empty(chunk, NVFP4_BLOCK, dtype=torch.int32) for _ in range(3)),
+            torch.empty(chunk, NVFP4_BLOCK // 2, dtype=torch.int64),
+        )
         while True:
             with lock:
                 i = next(starts, None)
             if i is None:
                 return
-            _quantize_blocks(xb[i:i + chunk], g, scale_2, recipe, packed[i:i + chunk], scale[i:i + chunk], bufs)
+            _quantize_blocks(xb[i : i + chunk], g, scale_2, recipe, packed[i : i + chunk], scale[i : i + chunk], bufs)
 
     workers = max(1, workers)
     run_all(workers, [(work,)] * min(workers, -(-n // chunk)))  # every chunk has ended when this returns
@@ -448,7 +459,11 @@ def nvfp4_quantize_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te")
 
 
 def nvfp4_quantize(
-    x: torch.Tensor, global_amax=None, recipe: str = "te", workers: int | None = None, blocks_fn=None,
+    x: torch.Tensor,
+    global_amax=None,
+    recipe: str = "te",
+    workers: int | None = None,
+    blocks_fn=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., K]`` (K % 16 == 0) along the last axis.
 
@@ -485,8 +500,9 @@ def nvfp4_quantize(
         scale_2, k0, k1 = cpu_tensor_scalars(g, recipe)
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8)
         scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn)
-        cpu_kernels.nvfp4_into(xb, recipe == "te", float(k0), float(k1), bool(g == 0),
-                               packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1), w)
+        cpu_kernels.nvfp4_into(
+            xb, recipe == "te", float(k0), float(k1), bool(g == 0), packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1), w
+        )
         return packed, scale, torch.tensor(scale_2, dtype=torch.float32)
     g = _global_amax(x, global_amax)
     if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:

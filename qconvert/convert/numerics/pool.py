@@ -29,8 +29,9 @@ def pool(workers: int) -> ThreadPoolExecutor:
     with _pool_lock:
         p = _pools.get(workers)
         if p is None:
-            p = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix=THREAD_PREFIX,
-                                                     initializer=_single_thread)
+            p = _pools[workers] = ThreadPoolExecutor(
+                workers, thread_name_prefix=THREAD_PREFIX, initializer=_single_thread
+            )
         return p
 
 
