@@ -28,10 +28,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,11 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from scripts.vllm_server import CPU_TEST_FLAGS, VllmServer  # noqa: E402
 
 
 def build(work: Path, scheme: str, seed: int, overrides: dict) -> Path:
@@ -69,75 +62,26 @@ def build(work: Path, scheme: str, seed: int, overrides: dict) -> Path:
     return dst
 
 
-class Server:
-    def __init__(self, model: Path, log: Path):
-        from qconvert.engine import EXTENSION_FLAG
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--host",
-            "127.0.0.1",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "8",
-            "--dtype",
-            "bfloat16",
-            "--enable-scale-out",
-            "--seed",
-            "0",
-            *EXTENSION_FLAG.split(),
-        ]
-        self._f = open(log, "wb")
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        import requests
-
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"vLLM exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise SystemExit(f"vLLM did not start in 600 s:\n{log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._f.close()
-
-
 def bench_scheme(scheme: str, args, overrides: dict) -> dict:
     from qconvert.client import staging
     from qconvert.client.vllm_client import VllmClient
-    from qconvert.engine import STAGED_RPC
+    from qconvert.engine import EXTENSION_FLAG, STAGED_RPC
 
     work = Path(args.work) / scheme
     work.mkdir(parents=True, exist_ok=True)
     ckpts = [build(Path(args.work), scheme, s, overrides) for s in (0, 1)]
     os.environ["QCONVERT_SHM_ROOT"] = str(args.shm)
     areas = [staging.stage_checkpoint(c, f"bench-{scheme}-{i}").path for i, c in enumerate(ckpts)]
-    srv = Server(ckpts[0], work / "server.log")
+    try:  # the CPU server of tests/test_reload_vllm.py: dev mode, qconvert's worker extension
+        srv = VllmServer(
+            ckpts[0],
+            work / "server.log",
+            [*CPU_TEST_FLAGS, *EXTENSION_FLAG.split()],
+            env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"},
+            timeout=600,
+        )
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     c = VllmClient(srv.url, timeout=600, reload_timeout=3600)
     moe = True
     rec: dict = {"scheme": scheme, "floor": [], "staged": [], "staged_wall": [], "stock": [], "repack": []}

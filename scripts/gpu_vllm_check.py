@@ -36,8 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +44,7 @@ import traceback
 from pathlib import Path
 
 import requests
+from vllm_server import VllmServer  # scripts/ is on sys.path when run as a script
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -120,29 +119,13 @@ def demo(root: Path, arch: str, seed: int) -> Path:
 # ------------------------------------------------------------------ server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(VllmServer):
+    """A GPU server small enough to share the card with the trainer-side refit in the same process tree."""
 
-
-class Server:
     def __init__(self, model: Path, logf: Path, extra: list[str] | None = None, timeout: float = 400):
         from qconvert.client.vllm_client import EXTENSION_FLAG
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--host",
-            "127.0.0.1",
+        flags = [
             "--enforce-eager",
             "--max-model-len",
             "512",
@@ -159,33 +142,7 @@ class Server:
             *EXTENSION_FLAG.split(),
             *(extra or []),
         ]
-        self.log = logf
-        self._f = open(logf, "wb")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {logf.read_text()[-3000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.start_s = time.perf_counter() - t0
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM did not start in {timeout} s: {logf.read_text()[-3000:]}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._f.close()
+        super().__init__(model, logf, flags, env={"VLLM_SERVER_DEV_MODE": "1"}, timeout=timeout, poll_s=0.5)
 
     def model(self) -> str:
         return requests.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,15 +24,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from qconvert.client.vllm_client import EXTENSION_FLAG, ReloadError, reload_vllm  # noqa: E402
 from qconvert.convert.demo import build_demo_model  # noqa: E402
+from scripts.vllm_server import CPU_TEST_FLAGS, VllmServer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _convert(src: Path, dst: Path, last_n_bf16: int = 1, fmt: str = "mxfp8") -> Path:
@@ -65,63 +56,15 @@ def _make_pair(root: Path, kind: str) -> tuple[Path, Path, Path]:
     return _convert(a, root / f"{arch}-a-{fmt}", fmt=fmt), _convert(b, root / f"{arch}-b-{fmt}", fmt=fmt), b
 
 
-class Server:
+class Server(VllmServer):
+    """The tests' CPU server: dev mode (weight-version routes) and qconvert's worker extension unless told otherwise."""
+
     def __init__(
         self, model: Path, log: Path, env_extra: dict | None = None, dev_mode: bool = True, extension: bool = True
     ):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(
-            os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1" if dev_mode else "0", **(env_extra or {})
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--host",
-            "127.0.0.1",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "8",
-            "--dtype",
-            "bfloat16",
-            "--enable-scale-out",
-            "--seed",
-            "0",
-        ]
-        if extension:
-            cmd += EXTENSION_FLAG.split()
-        self.log = log
-        self._f = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vLLM did not start in 300 s:\n{log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._f.close()
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0", **(env_extra or {})}
+        flags = [*CPU_TEST_FLAGS, *(EXTENSION_FLAG.split() if extension else [])]
+        super().__init__(model, log, flags, env=env, timeout=300)
 
     def model(self) -> str:
         return requests.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
