@@ -433,3 +433,26 @@ def test_bad_ct_source_in_a_fresh_process(dense320, tmp_path):
     assert_one_line(r, 1, "quantization_config.format", "'pack-quantized'")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_moe_ct_source_with_router_ignored(demo_moe, tmp_path):
+    """A Qwen3-MoE FP8_BLOCK source as llm-compressor is told to write MoE models (routers on the
+    ignore list), experts written in the TRT-LLM layout: verify finds every tensor exact."""
+    from qconvert.verify import verify
+
+    have("compressed_tensors") or pytest.skip("compressed-tensors not installed")
+    src, t = make_ct_source(demo_moe, tmp_path / "src", ignore=["lm_head", "re:.*mlp.gate$"], pow2=("layers.0.",))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale" in t and "model.layers.0.mlp.gate.weight" in t
+    dst = tmp_path / "dst"
+    opts = ConvertOptions(
+        scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False, layout="flashinfer-trtllm", engine="vllm"
+    )
+    convert(str(src), dst, "mxfp8", opts)
+    man = json.loads((dst / "qconvert.json").read_text())
+    paths = man["source"]["quantized"]["tensor_paths"]
+    assert paths["model.layers.0.mlp.experts.0.gate_proj"] == "lossless-rceil"
+    assert paths["model.layers.0.self_attn.q_proj"] == "lossless"
+    r = verify(str(src), str(dst))
+    assert r.ok, r.failures
+    got = {x.module: x.lossless for x in r.tensors}
+    assert got["model.layers.0.mlp.experts.0.gate_proj"] is True
