@@ -263,6 +263,22 @@ def _ct_declaration(qc: dict, where: str) -> Declaration:
             f"{where}: {q}.config_groups is missing or empty (quant_method 'compressed-tensors'); "
             "restore the original config.json"
         )
+    status = qc.get("quantization_status")
+    if status not in (None, "compressed"):
+        raise CheckpointError(
+            f"{where}: {q}.quantization_status is {status!r}: the weights are not stored compressed "
+            "(F8_E4M3 with block scales); save the checkpoint compressed (llm-compressor's default) or "
+            "convert its BF16 weights"
+        )
+    for key, what in (
+        ("transform_config", "online rotations/transforms the weights were folded with"),
+        ("sparsity_config", "a sparsity compression"),
+    ):
+        if qc.get(key):
+            raise CheckpointError(
+                f"{where}: {q}.{key} is set ({what}); an MXFP8/NVFP4 output cannot carry it: qconvert reads "
+                "compressed-tensors FP8 block checkpoints without transforms or sparsity"
+            )
     top_fmt = qc.get("format")
     block = None
     for gname, g in groups.items():
