@@ -157,6 +157,7 @@ def test_source_is_the_real_form(ct_src):
     assert "model.layers.3.mlp.up_proj.weight_scale" not in t and "lm_head.weight_scale" not in t
 
 
+@pytest.mark.vllm
 def test_vllm_parses_what_qconvert_reads(ct_src):
     """vLLM's own config parser accepts the source config, with the block qconvert reads."""
     have("vllm") or pytest.skip("vllm not installed")
@@ -405,6 +406,7 @@ def test_ignored_module_stored_fp8(tmp_path, dense320):
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "quantization_config.ignore" in msg
 
 
+@pytest.mark.vllm
 def test_weight_only_naive_quantized_accepted(tmp_path, dense320):
     """Weight-only FP8 block (no input activations): compressed-tensors infers format naive-quantized,
     the same bytes; vLLM parses it (W8A16), and the conversion reads it."""
@@ -414,15 +416,13 @@ def test_weight_only_naive_quantized_accepted(tmp_path, dense320):
         qc["format"] = "naive-quantized"
         qc["config_groups"]["group_0"]["input_activations"] = None
 
-    src, t = make_ct_source(dense320, tmp_path / "src", qc_mutate=weight_only)
-    if have("vllm"):
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-            CompressedTensorsConfig,
-        )
+    have("vllm") or pytest.skip("vllm not installed")
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-        vc = CompressedTensorsConfig.from_config(json.loads((src / "config.json").read_text())["quantization_config"])
-        assert vc.target_scheme_map["Linear"]["weights"].strategy == "block"
-        assert CompressedTensorsConfig._is_fp8_w8a16(vc.target_scheme_map["Linear"]["weights"], None)
+    src, t = make_ct_source(dense320, tmp_path / "src", qc_mutate=weight_only)
+    vc = CompressedTensorsConfig.from_config(json.loads((src / "config.json").read_text())["quantization_config"])
+    assert vc.target_scheme_map["Linear"]["weights"].strategy == "block"
+    assert CompressedTensorsConfig._is_fp8_w8a16(vc.target_scheme_map["Linear"]["weights"], None)
     dst = tmp_path / "mx"
     convert(str(src), dst, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
     out, _ = load_dir(dst)
@@ -511,3 +511,17 @@ def test_moe_ct_source_with_router_ignored(demo_moe, tmp_path):
     assert r.ok, r.failures
     got = {x.module: x.lossless for x in r.tensors}
     assert got["model.layers.0.mlp.experts.0.gate_proj"] is True
+
+
+def test_module_formats_of_fp8_scales():
+    """Module formats from headers: BF16/F16/F32 block grids are fp8-block; a per-channel [N, 1]
+    scale (compressed-tensors' channel strategy) and a per-tensor one are plain fp8."""
+    from qconvert.formats.detect import module_format
+
+    w = ("F8_E4M3", (320, 256))
+    assert module_format({"weight": w, "weight_scale": ("BF16", (3, 2))})[0] == "fp8-block"
+    assert module_format({"weight": w, "weight_scale": ("F16", (3, 2))})[0] == "fp8-block"
+    assert module_format({"weight": w, "weight_scale_inv": ("F32", (3, 2))})[0] == "fp8-block"
+    assert module_format({"weight": w, "weight_scale": ("BF16", (320, 1))})[0] == "fp8"
+    assert module_format({"weight": w, "weight_scale": ("F32", (1,))})[0] == "fp8"
+    assert module_format({"weight": w, "weight_scale": ("U8", (320, 8))})[0] == "mxfp8"
