@@ -319,11 +319,38 @@ BATCHED_CASES = {
     "nvfp4-trtllm-tp1": ("nvfp4", {**_TRT, **_W4A4}),
     "nvfp4-trtllm-tp2": ("nvfp4", {**_TRT, **_W4A4, "tp": 2}),
     "nvfp4-trtllm-ep2": ("nvfp4", {**_TRT, **_W4A4, "ep": 2}),
+    "nvfp4-ct-copied": ("nvfp4", {"input_mode": "copied"}),
+    "nvfp4-modelopt-copied": ("nvfp4", {"dialect": "modelopt", "input_mode": "copied"}),
+    "nvfp4-trtllm-copied-ep2": ("nvfp4", {**_TRT, "input_mode": "copied", "ep": 2}),
 }
 
 
+@pytest.fixture(scope="module")
+def input_scales_ckpt(demo_moe, tmp_path_factory):
+    """An NVFP4 W4A4 checkpoint of the demo model whose input scales all differ (calibrated-like),
+    for ``input_mode="copied"``: a stacked job that put one module's scale on another would show."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("scales") / "w4a4"
+    convert(str(demo_moe), d, opts=_opts(scheme="nvfp4", dialect="modelopt", input_mode="unit"))
+    g = torch.Generator().manual_seed(7)
+    for f in sorted(d.glob("*.safetensors")):
+        t = load_file(f)
+        for n in t:
+            if n.endswith(".input_scale"):
+                t[n] = (torch.rand((), generator=g) * 4 + 0.01).float()
+        save_file(t, f)
+    return d
+
+
+def _with_scales(extra: dict, request) -> dict:
+    if extra.get("input_mode") == "copied":
+        return {**extra, "input_scales_from": str(request.getfixturevalue("input_scales_ckpt"))}
+    return extra
+
+
 @pytest.mark.parametrize("scheme,extra", list(BATCHED_CASES.values()), ids=list(BATCHED_CASES))
-def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
+def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, request, scheme, extra):
     """The CUDA path's batched NaN/Inf check, stacked quantization (a layer's experts in one call
     per tensor kind: MXFP8, NVFP4 with its per-group global scales, W4A4 and W4A16, plain and
     pre-shuffled) and coalesced copies, run on CPU: the bytes of the converter's per-tensor jobs,
@@ -331,6 +358,7 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, sch
     from qconvert.convert import jobs
 
     monkeypatch.setattr(Refitter, "_BATCHED", True)
+    extra = _with_scales(extra, request)
     opts = _opts(scheme=scheme, **extra)
     want = _convert(demo_moe, tmp_path / "c", opts)  # the per-tensor jobs
     monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})  # stacked quantization
@@ -363,7 +391,8 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, sch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme,extra", list(BATCHED_CASES.values()), ids=list(BATCHED_CASES))
-def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, scheme, extra):
+def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, request, scheme, extra):
+    extra = _with_scales(extra, request)
     opts = _opts(scheme=scheme, **extra)
     want = _convert(demo_moe_2, tmp_path / "c", opts)
     with Refitter(demo_moe, _opts(scheme=scheme, device="cuda", **extra), "gpu") as r:
