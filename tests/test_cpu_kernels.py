@@ -219,19 +219,19 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
     for name, state in (("c", None), ("chain", {"lib": None, "why": "disabled for this test"})):
         if state is not None:
             monkeypatch.setattr(cpu_kernels, "_state", state)
-        for scheme in ("mxfp8", "nvfp4"):
-            dst = tmp_path / f"{name}-{scheme}"
+        for scheme, recipe in (("mxfp8", "te"), ("nvfp4", "te"), ("nvfp4", "4over6")):
+            dst = tmp_path / f"{name}-{scheme}-{recipe}"
             res = convert(
                 str(demo_moe),
                 str(dst),
                 scheme,
-                ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False),
+                ConvertOptions(scheme=scheme, recipe=recipe, plan=PlanOptions(scheme=scheme), progress=False),
             )
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
             notes.append(" ".join(res.notes))
-    assert digests[0] == digests[2] and digests[1] == digests[3]
+    assert digests[:3] == digests[3:] and digests[1] != digests[2]
     assert "torch op chains" not in notes[0]
-    assert "not the C kernels (disabled for this test)" in notes[2] and "not the C kernels" in notes[3]
+    assert "not the C kernels (disabled for this test)" in notes[3] and "not the C kernels" in notes[4]
 
 
 @pytest.mark.parametrize("workers", [1, 3])
