@@ -144,6 +144,45 @@ def _floor(r, torch, repeats: int) -> float:
     return sorted(best)[len(best) // 2]
 
 
+class _AnonPeak:
+    """Peak anonymous resident memory (``RssAnon``: heap and pinned buffers, not the shared-memory
+    area's pages) of this process while running, sampled every 5 ms, minus its value at the start."""
+
+    def __init__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self.base = self.peak = _rss_anon()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_anon())
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _rss_anon() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def stage_bench(a) -> dict:
     import shutil
     import statistics
@@ -177,11 +216,18 @@ def stage_bench(a) -> dict:
                 res = r.refit(weights)
                 first = time.perf_counter() - t0
                 later, parts = [], []
-                for _ in range(a.repeat):
-                    t1 = time.perf_counter()
-                    res = r.refit(weights)
-                    later.append(time.perf_counter() - t1)
-                    parts.append(res.seconds)
+                cuda = device == "cuda"
+                if cuda:
+                    torch.cuda.synchronize()
+                    gpu0 = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                with _AnonPeak() as host:
+                    for _ in range(a.repeat):
+                        t1 = time.perf_counter()
+                        res = r.refit(weights)
+                        later.append(time.perf_counter() - t1)
+                        parts.append(res.seconds)
+                gpu_extra = torch.cuda.max_memory_allocated() - gpu0 if cuda else 0
                 floor = _floor(r, torch, 3)
                 out_bytes = sum(f.size for f in r.spec.files)
             finally:
@@ -202,6 +248,9 @@ def stage_bench(a) -> dict:
                 "commit_s": statistics.median(p["commit"] for p in parts),
                 "floor_s": floor,
                 "ratio": med / floor,
+                "host_extra_bytes": host.extra,
+                "gpu_extra_bytes": gpu_extra,
+                "largest_group_out_bytes": max(sum(f.size for f in fs_) for fs_ in r._files_of_group.values()),
             }
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
@@ -216,14 +265,16 @@ def stage_table(d: dict) -> str:
     L = [
         f"### Refit staging ({d['device']}, torch {d['torch']}, {d['cpu_count']} CPUs)",
         "",
-        "| variant | layers | output | first refit | refit after the first (median) | floor (d2h into registered shm) | ratio | stage / commit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | layers | output | first refit | refit after the first (median) | floor (d2h into registered shm) "
+        "| ratio | stage / commit | peak extra host (anon) / GPU | largest group's output |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         L.append(
             f"| {r['variant']} | {r['layers']} | {r['out_bytes'] / 1e9:.2f} GB | {r['first_s']:.2f} s | "
             f"{r['later_median_s']:.3f} s | {r['floor_s']:.3f} s | **{r['ratio']:.2f}x** | "
-            f"{r['stage_s']:.3f} / {r['commit_s']:.3f} s |"
+            f"{r['stage_s']:.3f} / {r['commit_s']:.3f} s | {r['host_extra_bytes'] / 1e6:.0f} / "
+            f"{r['gpu_extra_bytes'] / 1e6:.0f} MB | {r['largest_group_out_bytes'] / 1e6:.0f} MB |"
         )
     L += [
         "",

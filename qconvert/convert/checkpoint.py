@@ -448,9 +448,9 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     root, rev = resolve_source(src, allow_download)
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
-    from .fp8_source import declared_block
+    from .fp8_source import declaration
 
-    declared_block(
+    declaration(
         config, ck.root / CONFIG_NAME
     )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []
