@@ -74,7 +74,7 @@ def test_mxfp8_c_equals_chain(case, workers, c_path):
     assert int((q.reshape(-1, 32).view(torch.uint8)[keep] != q_ref[keep]).sum()) == 0
 
 
-@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+@pytest.mark.parametrize("recipe", ["te", "modelopt", "4over6"])
 @pytest.mark.parametrize("case", C_CASES, ids=C_IDS)
 def test_nvfp4_c_equals_chain(case, recipe, c_path):
     name, x = case
@@ -94,12 +94,13 @@ def _f32_bits(v) -> int:
     return int(np.asarray(v, dtype=np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+@pytest.mark.parametrize("recipe", ["te", "modelopt", "4over6"])
 def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
     """The C kernel path takes its per-tensor factors from numpy fp32 scalars (cpu_tensor_scalars);
     they must be the bits of the tensor ops the CUDA and chain paths use, over the whole fp32 range
-    and its edges: 0, subnormals, either side of TE's S_enc clamp (2688 / FLT_MAX), FLT_MAX, inf, NaN."""
-    clamp = np.float32(2688.0) / np.float32(np.finfo(np.float32).max)
+    and its edges: 0, subnormals, either side of TE's S_enc clamp (2688 / FLT_MAX, 1536 / FLT_MAX for
+    4over6), FLT_MAX, inf, NaN."""
+    clamp = np.float32(nvfp4.global_div(recipe)) / np.float32(np.finfo(np.float32).max)
     gs = [
         0.0,
         1.4e-45,
@@ -113,6 +114,7 @@ def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
         float("nan"),
         1.0,
         2688.0,
+        1536.0,
         0.1,
         448.0,
         6.0,
@@ -123,9 +125,12 @@ def test_numpy_tensor_scalars_equal_the_tensor_ops(recipe):
         g = torch.tensor(gv, dtype=torch.float32)
         s2, k0, k1 = nvfp4.cpu_tensor_scalars(np.float32(gv), recipe)
         ref_s2 = nvfp4.recipe_scale_2(g, recipe)
-        ref_k0, ref_k1 = (
-            nvfp4.te_tensor_scalars(g) if recipe == "te" else (nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2)
-        )
+        if recipe == "te":
+            ref_k0, ref_k1 = nvfp4.te_tensor_scalars(g)
+        elif recipe == "4over6":
+            ref_k0, ref_k1 = nvfp4.four_over_six_tensor_scalars(g)
+        else:
+            ref_k0, ref_k1 = nvfp4.modelopt_tensor_divisor(ref_s2), ref_s2
         got = [_f32_bits(v) for v in (s2, k0, k1)]
         want = [int(t.view(torch.int32)) & 0xFFFFFFFF for t in (ref_s2, ref_k0, ref_k1)]
         assert got == want, (gv, got, want)
@@ -140,10 +145,11 @@ def test_chunk_boundaries_and_threads(blocks):
         q, s = mxfp8.mxfp8_quantize(x, workers=workers)
         assert torch.equal(q.view(torch.uint8), q_ref) and torch.equal(s.reshape(-1), s_ref)
     ga = nvfp4._global_amax(x, None)
-    p_ref, sc_ref = _chain_nvfp4(x, ga, "te")
-    for workers in (1, 4):
-        p, sc, _ = nvfp4.nvfp4_quantize(x, workers=workers)
-        assert torch.equal(p.reshape(-1, 8), p_ref) and torch.equal(sc.reshape(-1).view(torch.uint8), sc_ref)
+    for recipe in ("te", "4over6"):
+        p_ref, sc_ref = _chain_nvfp4(x, ga, recipe)
+        for workers in (1, 4):
+            p, sc, _ = nvfp4.nvfp4_quantize(x, recipe=recipe, workers=workers)
+            assert torch.equal(p.reshape(-1, 8), p_ref) and torch.equal(sc.reshape(-1).view(torch.uint8), sc_ref)
 
 
 def test_non_contiguous_and_fp16_inputs_use_the_chain_with_the_same_bytes():
@@ -213,19 +219,19 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
     for name, state in (("c", None), ("chain", {"lib": None, "why": "disabled for this test"})):
         if state is not None:
             monkeypatch.setattr(cpu_kernels, "_state", state)
-        for scheme in ("mxfp8", "nvfp4"):
-            dst = tmp_path / f"{name}-{scheme}"
+        for scheme, recipe in (("mxfp8", "te"), ("nvfp4", "te"), ("nvfp4", "4over6")):
+            dst = tmp_path / f"{name}-{scheme}-{recipe}"
             res = convert(
                 str(demo_moe),
                 str(dst),
                 scheme,
-                ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False),
+                ConvertOptions(scheme=scheme, recipe=recipe, plan=PlanOptions(scheme=scheme), progress=False),
             )
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
             notes.append(" ".join(res.notes))
-    assert digests[0] == digests[2] and digests[1] == digests[3]
+    assert digests[:3] == digests[3:] and digests[1] != digests[2]
     assert "torch op chains" not in notes[0]
-    assert "not the C kernels (disabled for this test)" in notes[2] and "not the C kernels" in notes[3]
+    assert "not the C kernels (disabled for this test)" in notes[3] and "not the C kernels" in notes[4]
 
 
 @pytest.mark.parametrize("workers", [1, 3])

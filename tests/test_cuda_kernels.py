@@ -34,7 +34,7 @@ def test_mxfp8_kernel_equals_torch_chain(case):
     assert int((qb[keep] != qr[keep]).sum()) == 0
 
 
-@pytest.mark.parametrize("recipe", ["te", "modelopt"])
+@pytest.mark.parametrize("recipe", ["te", "modelopt", "4over6"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_nvfp4_kernel_equals_torch_chain(case, recipe):
     name, x = case
@@ -64,19 +64,21 @@ def test_partial_programs_and_3d(blocks):
     q_ref, s_ref = mxfp8_quantize(x.reshape(blocks, 32))
     q, s = mxfp8_quantize(x.cuda().reshape(blocks, 32), blocks_fn=cuda_kernels.mxfp8_blocks)
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s.cpu(), s_ref)
-    p_ref, sc_ref, _ = nvfp4_quantize(x)
-    p, sc, _ = nvfp4_quantize(x.cuda(), blocks_fn=cuda_kernels.nvfp4_blocks)
-    assert p.shape == p_ref.shape and sc.shape == sc_ref.shape
-    assert torch.equal(p.cpu(), p_ref) and torch.equal(sc.cpu().view(torch.uint8), sc_ref.view(torch.uint8))
+    for recipe in ("te", "4over6"):
+        p_ref, sc_ref, _ = nvfp4_quantize(x, recipe=recipe)
+        p, sc, _ = nvfp4_quantize(x.cuda(), recipe=recipe, blocks_fn=cuda_kernels.nvfp4_blocks)
+        assert p.shape == p_ref.shape and sc.shape == sc_ref.shape
+        assert torch.equal(p.cpu(), p_ref) and torch.equal(sc.cpu().view(torch.uint8), sc_ref.view(torch.uint8))
 
 
 def test_empty():
     q, s = cuda_kernels.mxfp8_blocks(torch.empty(0, 32, dtype=torch.bfloat16, device="cuda"))
     assert q.shape == (0, 32) and s.shape == (0,)
-    p, sc, s2 = cuda_kernels.nvfp4_blocks(
-        torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"), torch.tensor(0.0, device="cuda")
-    )
-    assert p.shape == (0, 8) and sc.shape == (0,) and float(s2) == 0.0
+    for recipe in ("te", "4over6"):
+        p, sc, s2 = cuda_kernels.nvfp4_blocks(
+            torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"), torch.tensor(0.0, device="cuda"), recipe
+        )
+        assert p.shape == (0, 8) and sc.shape == (0,) and float(s2) == 0.0
 
 
 def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
@@ -88,18 +90,20 @@ def test_conversion_on_cuda_equals_cpu(tmp_path, monkeypatch):
     src = tmp_path / "demo"
     build_demo_model(src)
     monkeypatch.setenv("QCONVERT_CUDA_QUANTIZER", "triton")
-    for scheme in ("mxfp8", "nvfp4"):
+    for scheme, recipe in (("mxfp8", "te"), ("nvfp4", "te"), ("nvfp4", "4over6")):
         digests = []
         for device, stream in (("cpu", None), ("cuda", None), ("cuda", torch.cuda.Stream())):
             # a library caller's own current stream: results are copied back after its kernels
-            dst = tmp_path / f"{scheme}-{device}-{stream is not None}"
-            opts = ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), device=device, progress=False)
+            dst = tmp_path / f"{scheme}-{recipe}-{device}-{stream is not None}"
+            opts = ConvertOptions(
+                scheme=scheme, recipe=recipe, plan=PlanOptions(scheme=scheme), device=device, progress=False
+            )
             with torch.cuda.stream(stream):
                 convert(str(src), str(dst), scheme, opts)
             import json
 
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
-        assert digests[0] == digests[1] == digests[2], scheme
+        assert digests[0] == digests[1] == digests[2], (scheme, recipe)
 
 
 def test_pinned_reads_and_copies_back(tmp_path):

@@ -6,6 +6,9 @@ No installed package runs 4over6 on a CPU (FlashInfer 0.7.4 has it only in its C
 kernels; TransformerEngine is not installed), so the oracle is written here from the definition,
 with a different structure from qconvert's: E4M3 and E2M1 by nearest-value search in value tables
 (not bit manipulation), NumPy float32 scalar algebra, and the two candidates kept side by side.
+
+Each check runs every CPU path of ``nvfp4_quantize``: the C kernel's AVX2 loops (where built), its
+portable loops (``QCONVERT_NO_AVX2``) and the torch op chain (C kernels switched off).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from qconvert.convert.numerics import cpu_kernels
 from qconvert.convert.numerics.nvfp4 import NVFP4_BLOCK, SMALL_BLOCKS, nvfp4_dequantize, nvfp4_quantize
+from tests.test_bad_inputs import make_model, run_cli
 from tests.test_numerics_nvfp4 import adversarial_bf16, random_bf16
 
 F = np.float32
@@ -144,6 +149,21 @@ def _check(x: torch.Tensor, global_amax=None):
     return pick4
 
 
+@pytest.fixture(params=["c-vector", "c-portable", "chain"])
+def cpu_path(request, monkeypatch):
+    """Which CPU quantizer ``nvfp4_quantize`` runs: the C kernel's AVX2 loops, its portable loops,
+    or the torch op chain."""
+    if request.param == "chain":
+        monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "why": "switched off by the test"})
+    elif cpu_kernels.library() is None:
+        pytest.skip(f"no C kernels here: {cpu_kernels.status()}")
+    elif request.param == "c-portable":
+        monkeypatch.setenv("QCONVERT_NO_AVX2", "1")
+    elif not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    return request.param
+
+
 CASES = (
     [("random", s) for s in (1, 2, 3)]
     + [("adv1536", k) for k in (-30, -4, 0, 9)]
@@ -161,7 +181,7 @@ def _input(kind, arg):
 
 @pytest.mark.parametrize("kind,arg", CASES)
 @pytest.mark.parametrize("shared", [False, True])
-def test_4over6_matches_published_definition(kind, arg, shared):
+def test_4over6_matches_published_definition(kind, arg, shared, cpu_path):
     x = _input(kind, arg)
     g = None
     if shared:  # a fused group whose other member has the larger amax
@@ -171,7 +191,7 @@ def test_4over6_matches_published_definition(kind, arg, shared):
         assert 0.05 < pick4.mean() < 0.95, pick4.mean()
 
 
-def test_4over6_ties_keep_map_to_6():
+def test_4over6_ties_keep_map_to_6(cpu_path):
     x = adversarial_1536(0)
     _, scale, _ = nvfp4_quantize(x, recipe="4over6")
     s = scale.float().reshape(-1)
@@ -183,13 +203,13 @@ def test_4over6_ties_keep_map_to_6():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_4over6_other_source_dtypes(dtype):
+def test_4over6_other_source_dtypes(dtype, cpu_path):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(32, 128, generator=g) * torch.exp2(torch.randint(-8, 8, (32, 1), generator=g).float())).to(dtype)
     _check(x)
 
 
-def test_4over6_tiny_global_amax_and_zero_tensor():
+def test_4over6_tiny_global_amax_and_zero_tensor(cpu_path):
     x = (torch.randn(8, 64, generator=torch.Generator().manual_seed(3)) * 1e-37).float()
     _check(x)  # S_enc clamps at FLT_MAX, scale_2 = 1/FLT_MAX
     z = torch.zeros(4, 32, dtype=torch.bfloat16)
@@ -197,13 +217,54 @@ def test_4over6_tiny_global_amax_and_zero_tensor():
     assert not p.any() and not s.view(torch.uint8).any() and float(s2) == 0.0
 
 
-def test_4over6_chunked_cpu_path_equals_one_pass():
+def test_4over6_chunked_cpu_path_equals_one_pass(cpu_path):
     x = random_bf16(seed=9, shape=(SMALL_BLOCKS // 8 + 40, 256))
     assert x.numel() // NVFP4_BLOCK > SMALL_BLOCKS
     _check(x)
     one = nvfp4_quantize(x, recipe="4over6", workers=1)
     many = nvfp4_quantize(x, recipe="4over6", workers=3)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1].view(torch.uint8), many[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows,k", [(1, 16), (3, 48), (5, 16), (17, 32), (9, 144), (33, 80)])
+def test_4over6_row_counts_off_the_kernel_groups(rows, k, cpu_path):
+    """Block counts that are not multiples of the C kernel's groups (8 blocks for AVX2, 16 for the
+    portable loops): the tails run the portable loops, with the same bytes."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=g).float())).to(
+        torch.bfloat16
+    )
+    _check(x)
+    _check(x.float(), float(np.float32(float(x.float().abs().max()) * 3)))
+
+
+def test_4over6_subnormal_blocks_and_huge_global_amax(cpu_path):
+    """Blocks in the BF16/fp32 subnormal range, under their own global amax (their block scales are
+    normal) and under a huge one (their scales round to E4M3 zero, and to its subnormals)."""
+    g = torch.Generator().manual_seed(11)
+    tiny = torch.randn(16, 64, generator=g) * torch.logspace(-45, -36, 16).unsqueeze(1)
+    for x in (tiny.bfloat16(), tiny):
+        _check(x)
+        for big in (1e6, 3e38, float(np.finfo(np.float32).max)):
+            _check(x, big)
+    _check(random_bf16(seed=12, shape=(8, 128)), float(np.finfo(np.float32).max))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_4over6_non_finite_weight_refused(tmp_path, value, cpu_path):
+    """A weight holding NaN or +-Inf: the same one-line refusal as the other recipes, no output."""
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def poison(t):
+        t[name].view(-1)[7] = value
+
+    src = make_model(tmp_path / "src", mutate=poison)
+    for recipe in ("te", "4over6"):
+        dst = tmp_path / f"out-{recipe}"
+        code, out, _ = run_cli("nvfp4", src, dst, "--no-progress", "--recipe", recipe)
+        errs = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+        assert code == 1 and len(errs) == 1 and name in errs[0] and "NaN or Inf" in errs[0], out
+        assert not dst.exists()
 
 
 def test_4over6_error_below_te_on_random_weights():

@@ -449,11 +449,11 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
     from . import mxfp4_source
-    from .fp8_source import declared_block
+    from .fp8_source import declaration
 
     # an MXFP4 source (gpt-oss): bad tensors named, then refused (docs/formats.md#mxfp4-sources)
     mxfp4_source.check(config, {n: (e.dtype, e.shape) for n, e in ck.tensors.items()}, ck.root / CONFIG_NAME)
-    declared_block(
+    declaration(
         config, ck.root / CONFIG_NAME
     )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []

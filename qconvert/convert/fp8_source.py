@@ -1,11 +1,15 @@
 """FP8 block-scaled checkpoints as conversion sources (docs/formats.md#fp8-block-sources).
 
-A source whose config.json says ``quantization_config.quant_method: fp8`` with
-``weight_block_size: [bn, bk]`` (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) stores each quantized Linear
-as ``X.weight`` F8_E4M3 [N, K] plus ``X.weight_scale_inv`` [ceil(N/bn), ceil(K/bk)]. Here:
+Two forms store the same thing (:class:`Declaration`): a source whose config.json says
+``quantization_config.quant_method: fp8`` with ``weight_block_size: [bn, bk]`` (DeepSeek-V3/R1,
+Kimi-K2, Qwen3-FP8) stores each quantized Linear as ``X.weight`` F8_E4M3 [N, K] plus
+``X.weight_scale_inv`` [ceil(N/bn), ceil(K/bk)]; a compressed-tensors one (llm-compressor's
+``FP8_BLOCK``, docs/formats.md#compressed-tensors-fp8-block-sources) as ``X.weight`` plus
+``X.weight_scale`` of the same grid, with an ``ignore`` list of the modules left BF16. Both scales
+are the decode multiplier. Here:
 
-* :func:`detect` reads the declaration and pairs every FP8 weight with its scale, refusing
-  mismatches with one line naming the tensor;
+* :func:`detect` reads the declaration (:func:`declaration`) and pairs every FP8 weight with its
+  scale, refusing mismatches with one line naming the tensor;
 * :meth:`Fp8BlockSource.logical_inventory` is the inventory the planner sees: each FP8 weight as a
   BF16-like float source, its scale gone; the plan is made as for a BF16 checkpoint (a BF16 Linear
   in the same checkpoint is planned and converted as BF16: a mixed checkpoint works by kind);
@@ -23,11 +27,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointError
-from ..formats.dialects import WEIGHT_SCALE_INV
+from ..formats import exclusions
+from ..formats.dialects import WEIGHT_SCALE, WEIGHT_SCALE_INV
+from ..formats.exclusions import IGNORE
 from .numerics import fp8_block
 
 KIND = "fp8-block"
-SCALE_SUFFIX = WEIGHT_SCALE_INV  # DeepSeek-style block scales (docs/formats.md#fp8-block-sources)
+#: source forms (the dialect names formats/detect.py gives such a checkpoint)
+DEEPSEEK, COMPRESSED_TENSORS = "deepseek", "compressed-tensors"
+#: per form: the scale tensor beside ``weight`` (docs/formats.md#fp8-block-sources,
+#: docs/formats.md#compressed-tensors-fp8-block-sources), and the config key of the block
+SCALE_SUFFIXES = {DEEPSEEK: WEIGHT_SCALE_INV, COMPRESSED_TENSORS: WEIGHT_SCALE}
+BLOCK_KEYS = {DEEPSEEK: "weight_block_size", COMPRESSED_TENSORS: "block_structure"}
+#: compressed-tensors formats whose FP8 weights are one F8_E4M3 byte each (the naive compressor
+#: writes both; docs/formats.md#compressed-tensors-fp8-block-sources)
+CT_FORMATS = ("float-quantized", "naive-quantized")
+#: the block compressed-tensors FP8 sources must declare (llm-compressor's FP8_BLOCK)
+CT_BLOCK = (128, 128)
 SCALE_TAGS = ("F32", "BF16", "F16")
 #: per-tensor path codes (manifest ``source.quantized.tensor_paths``), and what they mean
 PATHS = {
@@ -37,6 +53,7 @@ PATHS = {
     "requantized": "quantized from the fp32 decode",
     "bf16-decode": "kept unquantized: the BF16 of the fp32 decode",
     "bf16-source": "BF16 in the source (a mixed checkpoint), quantized from its own values",
+    "bf16-ignored": "BF16 in the source (on its compressed-tensors ignore list), quantized from its own values",
 }
 #: codes under which the conversion kept the source's E4M3 bytes (verify re-makes them so)
 BYTES_KEPT = ("lossless", "lossless-partial")
@@ -55,6 +72,10 @@ class Fp8BlockSource:
     partial: dict[str, list[int]] = field(default_factory=dict)
     #: FP8 weights whose plain MXFP8 job keeps the E4M3 bytes (set by :meth:`wrap_jobs`)
     bytes_kept: set = field(default_factory=set)
+    #: the form (:data:`DEEPSEEK` or :data:`COMPRESSED_TENSORS`)
+    form: str = DEEPSEEK
+    #: float Linear weights on a compressed-tensors ``ignore`` list (BF16 by the producer's choice)
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def lossless_mxfp8(self) -> bool:
@@ -131,15 +152,17 @@ class Fp8BlockSource:
                     self.partial[t.module] = [a, b]
             else:
                 self.paths[t.module], requant = "requantized", requant + 1
-        bf16_linear = 0
+        bf16_linear = bf16_ignored = 0
+        ignored = set(self.ignored)
         for w in self.float_weights:
             t = plan.tensors.get(w)
             if t is not None and t.module is not None and t.action == QUANTIZE:
-                self.paths[t.module] = "bf16-source"
-                bf16_linear += 1
-        bn, bk = self.block
+                if w in ignored:
+                    self.paths[t.module], bf16_ignored = "bf16-ignored", bf16_ignored + 1
+                else:
+                    self.paths[t.module], bf16_linear = "bf16-source", bf16_linear + 1
         notes = [
-            f"source: FP8 block-scaled checkpoint (weight_block_size [{bn}, {bk}]); {len(self.scales)} FP8 weights: "
+            f"source: FP8 block-scaled checkpoint ({self.label()}); {len(self.scales)} FP8 weights: "
             f"{lossless} lossless (power-of-two block scales: decode exactly), {mixed} partly lossless, "
             f"{requant} requantized from their fp32 decode, {kept} kept as BF16"
         ]
@@ -148,11 +171,21 @@ class Fp8BlockSource:
                 f"source: {bf16_linear} quantized Linear weights are not FP8 in this checkpoint and are "
                 "converted from their own values (a mixed checkpoint)"
             )
+        if bf16_ignored:
+            notes.append(
+                f"source: {bf16_ignored} quantized Linear weights are on the source's quantization_config.{IGNORE} "
+                "list (BF16 there) and are converted from their own values; --keep-bf16 keeps them BF16"
+            )
         return notes
+
+    def label(self) -> str:
+        """The form and block as the notes, inspect and the card name them."""
+        return _label(self.form, list(self.block))
 
     def manifest(self) -> dict:
         return {
             "kind": KIND,
+            "form": self.form,
             "weight_block_size": list(self.block),
             "tensor_paths": dict(self.paths),
             "lossless_blocks": dict(self.partial),
@@ -173,18 +206,37 @@ def scale_reader(ckpt):
     return read
 
 
-def declared_block(config: dict, where: str = "config.json") -> tuple[int, int] | None:
-    """(bn, bk) if config.json declares an FP8 block-scaled checkpoint, None if it declares no
-    quantization; raises for a declaration qconvert cannot read."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return None
-    qm = qc.get("quant_method") if isinstance(qc, dict) else None
-    if qm != "fp8":
-        raise CheckpointError(
-            f"{where}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts "
-            "BF16 checkpoints and FP8 block-scaled ones (quant_method fp8 with weight_block_size)"
-        )
+@dataclass(frozen=True)
+class Declaration:
+    """What config.json's ``quantization_config`` declares about an FP8 block-scaled source: its
+    form (docs/formats.md#fp8-block-sources, docs/formats.md#compressed-tensors-fp8-block-sources),
+    the block (bn, bk) and, for compressed-tensors, the ``ignore`` list (modules left BF16)."""
+
+    form: str  # DEEPSEEK | COMPRESSED_TENSORS
+    block: tuple[int, int]
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def scale_suffix(self) -> str:
+        return SCALE_SUFFIXES[self.form]
+
+    @property
+    def block_key(self) -> str:
+        """The config key that declares the block (named in errors)."""
+        return BLOCK_KEYS[self.form]
+
+
+def _block_pair(bs, where: str, key: str) -> tuple[int, int]:
+    if not (
+        isinstance(bs, list)
+        and len(bs) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)
+    ):
+        raise CheckpointError(f"{where}: {key} {bs!r} is not two positive integers; restore the original config.json")
+    return bs[0], bs[1]
+
+
+def _deepseek_declaration(qc: dict, where: str) -> Declaration:
     bs = qc.get("weight_block_size")
     if bs is None:
         raise CheckpointError(
@@ -192,52 +244,151 @@ def declared_block(config: dict, where: str = "config.json") -> tuple[int, int] 
             "weight_block_size: per-tensor FP8), which qconvert does not read; dequantize it to "
             "BF16 first"
         )
-    if not (
-        isinstance(bs, list)
-        and len(bs) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bs)
-    ):
-        raise CheckpointError(
-            f"{where}: weight_block_size {bs!r} is not two positive integers; restore the original config.json"
-        )
+    block = _block_pair(bs, where, "weight_block_size")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"{where}: FP8 format {fmt!r}; qconvert reads E4M3 block-scaled checkpoints only")
-    return bs[0], bs[1]
+    return Declaration(DEEPSEEK, block)
+
+
+def _ct_declaration(qc: dict, where: str) -> Declaration:
+    """compressed-tensors FP8 block (llm-compressor's ``FP8_BLOCK``;
+    docs/formats.md#compressed-tensors-fp8-block-sources): every config group's weights 8-bit
+    float, ``strategy: block``, ``block_structure`` CT_BLOCK, static and symmetric; its format
+    float-quantized (or naive-quantized, the same bytes); input activations dynamic or none."""
+    q = "quantization_config"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(
+            f"{where}: {q}.config_groups is missing or empty (quant_method 'compressed-tensors'); "
+            "restore the original config.json"
+        )
+    status = qc.get("quantization_status")
+    if status not in (None, "compressed"):
+        raise CheckpointError(
+            f"{where}: {q}.quantization_status is {status!r}: the weights are not stored compressed "
+            "(F8_E4M3 with block scales); save the checkpoint compressed (llm-compressor's default) or "
+            "convert its BF16 weights"
+        )
+    for key, what in (
+        ("transform_config", "online rotations/transforms the weights were folded with"),
+        ("sparsity_config", "a sparsity compression"),
+    ):
+        if qc.get(key):
+            raise CheckpointError(
+                f"{where}: {q}.{key} is set ({what}); an MXFP8/NVFP4 output cannot carry it: qconvert reads "
+                "compressed-tensors FP8 block checkpoints without transforms or sparsity"
+            )
+    top_fmt = qc.get("format")
+    block = None
+    for gname, g in groups.items():
+        at = f"{where}: {q}.config_groups.{gname}"
+        if not isinstance(g, dict):
+            raise CheckpointError(f"{at} is not an object; restore the original config.json")
+        w = g.get("weights")
+        if not isinstance(w, dict):
+            raise CheckpointError(f"{at}.weights is missing; qconvert reads weight-quantized checkpoints only")
+        if not (w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") == "block"):
+            raise CheckpointError(
+                f"{at}.weights is {w.get('num_bits')}-bit {w.get('type')} with strategy {w.get('strategy')!r}: "
+                "checkpoint is already quantized (quant_method='compressed-tensors') in a form qconvert does not "
+                "read; it reads FP8 block checkpoints (num_bits 8, type float, strategy block); dequantize it to "
+                "BF16 first"
+            )
+        fmt = g.get("format") or top_fmt
+        key = f"{q}.config_groups.{gname}.format" if g.get("format") else f"{q}.format"
+        if fmt not in CT_FORMATS:
+            raise CheckpointError(
+                f"{where}: {key} is {fmt!r}; qconvert reads compressed-tensors FP8 block weights stored "
+                f"{CT_FORMATS[0]!r} (one F8_E4M3 byte per weight) only; re-export the checkpoint with "
+                f"format {CT_FORMATS[0]!r} or dequantize it to BF16 first"
+            )
+        bs = _block_pair(w.get("block_structure"), at, "weights.block_structure")
+        if bs != CT_BLOCK:
+            raise CheckpointError(
+                f"{at}.weights.block_structure is {list(bs)}; qconvert reads compressed-tensors FP8 "
+                f"block checkpoints with block_structure {list(CT_BLOCK)} (llm-compressor's FP8_BLOCK); "
+                "restore the original config.json"
+            )
+        if w.get("symmetric") is False or w.get("dynamic") not in (False, None):
+            raise CheckpointError(
+                f"{at}.weights: symmetric={w.get('symmetric')!r}, dynamic={w.get('dynamic')!r}; FP8 block "
+                "weights are static and symmetric (no zero point); restore the original config.json"
+            )
+        a = g.get("input_activations")
+        if isinstance(a, dict) and a.get("dynamic") is not True:
+            raise CheckpointError(
+                f"{at}.input_activations are static (dynamic={a.get('dynamic')!r}): their input scales "
+                "would be carried into an output that quantizes activations its own way; qconvert reads "
+                "FP8 block checkpoints with dynamic (or no) input activations"
+            )
+        block = bs
+    if qc.get("kv_cache_scheme"):
+        raise CheckpointError(
+            f"{where}: {q}.kv_cache_scheme is set (an FP8 KV cache with its scales); qconvert converts "
+            "weights only: remove kv_cache_scheme and the k_scale/v_scale tensors, or convert a checkpoint "
+            "without them"
+        )
+    ignore = qc.get(IGNORE) or []
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise CheckpointError(f"{where}: {q}.{IGNORE} is not a list of names; restore the original config.json")
+    return Declaration(COMPRESSED_TENSORS, block, tuple(ignore))
+
+
+def declaration(config: dict, where: str = "config.json") -> Declaration | None:
+    """The FP8 block-scaled source config.json declares, None if it declares no quantization;
+    raises for a declaration qconvert cannot read."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    qm = qc.get("quant_method") if isinstance(qc, dict) else None
+    if qm == "fp8":
+        return _deepseek_declaration(qc, where)
+    if qm == COMPRESSED_TENSORS:
+        return _ct_declaration(qc, where)
+    raise CheckpointError(
+        f"{where}: checkpoint is already quantized (quant_method={qm!r}); qconvert converts "
+        "BF16 checkpoints and FP8 block-scaled ones (quant_method fp8 with weight_block_size, or "
+        "compressed-tensors FP8 block)"
+    )
 
 
 def detect(config: dict, inventory: dict, where: str = "config.json") -> Fp8BlockSource | None:
     """The FP8 block-scaled source in ``inventory`` (name -> (dtype tag, shape)), or None for a
-    checkpoint without quantization_config. Every FP8 weight needs a scale of the declared grid."""
-    block = declared_block(config, where)
-    if block is None:
+    checkpoint without quantization_config. Every FP8 weight needs a scale of the declared grid;
+    a compressed-tensors module on the ``ignore`` list must not be FP8."""
+    decl = declaration(config, where)
+    if decl is None:
         return None
+    sfx, block = decl.scale_suffix, decl.block
     scales: dict[str, str] = {}
-    float_weights = []
+    float_weights, ignored = [], []
     for name, (tag, shape) in inventory.items():
-        if name.endswith("." + SCALE_SUFFIX):
-            w = name[: -len(SCALE_SUFFIX)] + "weight"
+        if name.endswith("." + sfx):
+            w = name[: -len(sfx)] + "weight"
             if w not in inventory:
                 raise CheckpointError(f"tensor {name!r} has no weight {w!r} beside it; the checkpoint is incomplete")
             continue
         if tag == "F8_E5M2":
             raise CheckpointError(f"tensor {name!r} is F8_E5M2; qconvert reads E4M3 block-scaled weights only")
         if tag != "F8_E4M3":
-            if (
-                name.endswith(".weight")
-                and len(shape) == 2
-                and (name[: -len("weight")] + SCALE_SUFFIX) not in inventory
-            ):
+            if name.endswith(".weight") and len(shape) == 2 and (name[: -len("weight")] + sfx) not in inventory:
                 float_weights.append(name)
+                if decl.ignore and exclusions.ct_excluded(name[: -len(".weight")], list(decl.ignore)):
+                    ignored.append(name)
             continue
-        sname = name[: -len("weight")] + SCALE_SUFFIX if name.endswith(".weight") else None
+        sname = name[: -len("weight")] + sfx if name.endswith(".weight") else None
         if sname is None or sname not in inventory:
             raise CheckpointError(
-                f"tensor {name!r} is FP8 but has no {SCALE_SUFFIX} beside it; the checkpoint is "
-                "incomplete or not block-scaled"
+                f"tensor {name!r} is FP8 but has no {sfx} beside it; the checkpoint is incomplete or not block-scaled"
             )
         if len(shape) != 2:
             raise CheckpointError(f"tensor {name!r} is FP8 with shape {list(shape)}; block-scaled weights are 2-D")
+        if decl.ignore and exclusions.ct_excluded(name[: -len(".weight")], list(decl.ignore)):
+            raise CheckpointError(
+                f"tensor {name!r} is FP8 but its module is on quantization_config.{IGNORE} (left unquantized): "
+                "config.json and the tensors disagree; restore the original config.json"
+            )
         stag, sshape = inventory[sname]
         want = fp8_block.scale_grid(shape, block)
         if stag not in SCALE_TAGS:
@@ -245,16 +396,16 @@ def detect(config: dict, inventory: dict, where: str = "config.json") -> Fp8Bloc
         if tuple(sshape) != want:
             raise CheckpointError(
                 f"tensor {sname!r} has shape {list(sshape)}, but weight {list(shape)} with the "
-                f"declared weight_block_size {list(block)} needs {list(want)}: the scales do not "
-                "match the declared block size; fix weight_block_size in config.json"
+                f"declared {decl.block_key} {list(block)} needs {list(want)}: the scales do not "
+                f"match the declared block size; fix {decl.block_key} in config.json"
             )
         scales[name] = sname
     if not scales:
         raise CheckpointError(
             f"{where}: declares FP8 block quantization but no tensor is F8_E4M3 with a "
-            f"{SCALE_SUFFIX}; restore the original config.json"
+            f"{sfx}; restore the original config.json"
         )
-    return Fp8BlockSource(block, scales, sorted(float_weights))
+    return Fp8BlockSource(block, scales, sorted(float_weights), form=decl.form, ignored=sorted(ignored))
 
 
 class DecodingReader:
@@ -305,4 +456,11 @@ def summarize(quantized: dict | None) -> str | None:
         key = {"lossless-rceil": "lossless", "lossless-partial": "partly lossless"}.get(str(v), str(v))
         count[key] = count.get(key, 0) + 1
     parts = ", ".join(f"{n} {k}" for k, n in sorted(count.items(), key=lambda kv: -kv[1]))
-    return f"FP8 block-scaled (weight_block_size {quantized.get('weight_block_size')}): {parts or 'no tensors'}"
+    label = _label(str(quantized.get("form") or DEEPSEEK), quantized.get("weight_block_size"))
+    return f"FP8 block-scaled ({label}): {parts or 'no tensors'}"
+
+
+def _label(form: str, block) -> str:
+    if form == COMPRESSED_TENSORS:
+        return f"compressed-tensors, {BLOCK_KEYS[form]} {block}"
+    return f"{BLOCK_KEYS[DEEPSEEK]} {block}"

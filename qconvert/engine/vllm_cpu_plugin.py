@@ -198,14 +198,15 @@ def _check_moe_layer(layer) -> None:
         raise _refuse(f"MoE activation {act} (plain-torch experts implement SiLU only)")
 
 
-def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The BF16 values of MXFP8 expert weights ``w`` [E, N, K] (float8_e4m3fn) with uint8 E8M0
     block scales [E, N, K/32]: bit for bit what vLLM's ``dequant_mxfp8_to_bf16`` gives (held by
     tests/test_reload_staged.py on every code and scale), in about a quarter of its time on CPU and
     with one expert's temporaries at a time instead of two fp32 copies of the whole tensor. Every
     E4M3 value is exact in BF16 (a table lookup of the byte), and so is every power-of-two scale
     (fp32's exponent range); the BF16 product is rounded once from fp32, as vLLM's fp32 product is.
-    Runs at every load and reload of a CPU MXFP8 MoE layer."""
+    Runs at every load and reload of a CPU MXFP8 MoE layer. ``out`` (BF16, contiguous, ``w``'s
+    shape) receives the values in place (the direct reload, qconvert/engine/vllm_direct.py)."""
     if (
         w.dtype != torch.float8_e4m3fn
         or w.dim() != 3
@@ -214,16 +215,50 @@ def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     ):
         from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
-        return dequant_mxfp8_to_bf16(w, scales)
+        got = dequant_mxfp8_to_bf16(w, scales)
+        return got if out is None else out.copy_(got)
     lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
     descale = torch.exp2(scales.to(torch.float32) - 127.0).to(torch.bfloat16)
-    out = torch.empty(w.shape, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(w.shape, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or out.shape != w.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous BF16 of shape {tuple(w.shape)}")
     codes = w.view(torch.uint8)
     for e in range(w.shape[0]):
         o = out[e]
         torch.index_select(lut, 0, codes[e].reshape(-1).to(torch.int32), out=o.view(-1))
         o.view(*o.shape[:-1], -1, 32).mul_(descale[e].unsqueeze(-1))
     return out
+
+
+def refresh_mxfp8_experts(layer) -> None:
+    """Derive the BF16 experts a CPU MXFP8 MoE layer runs on (``layer._qc_w13`` / ``_qc_w2``) from
+    its FP8 weights and E8M0 scales as loaded: written in place into the previous BF16 tensors
+    when they exist with the same shape (a reload), else allocated. The one place that makes
+    them: ``process_weights_after_loading`` and the direct reload (vllm_direct) both call it."""
+    dtype = getattr(layer, "orig_dtype", torch.bfloat16)
+    for name, w, s in (
+        ("_qc_w13", layer.w13_weight.data, layer.w13_weight_scale.data),
+        ("_qc_w2", layer.w2_weight.data, layer.w2_weight_scale.data),
+    ):
+        old = getattr(layer, name, None)
+        if (
+            isinstance(old, torch.Tensor)
+            and dtype == torch.bfloat16
+            and old.dtype == dtype
+            and old.shape == w.shape
+            and old.is_contiguous()
+        ):
+            mxfp8_experts_to_bf16(w, s, out=old)
+        else:
+            setattr(layer, name, mxfp8_experts_to_bf16(w, s).to(dtype))
+
+
+def is_mxfp8_experts_method(quant_method) -> bool:
+    """Whether ``quant_method`` is this plugin's CPU MXFP8 MoE method (its experts' served form is
+    the loaded FP8 weights and scales plus :func:`refresh_mxfp8_experts`'s BF16 copy)."""
+    cls = globals().get("CpuModelOptMxFp8FusedMoE") if _CLASSES is not None else None
+    return cls is not None and isinstance(quant_method, cls)
 
 
 def _build_classes():
@@ -293,9 +328,7 @@ def _build_classes():
             _check_moe_layer(layer)
             self._check_weight_dtypes(layer)
             layer.weight_block_size = self.weight_block_size
-            dtype = getattr(layer, "orig_dtype", torch.bfloat16)
-            layer._qc_w13 = mxfp8_experts_to_bf16(layer.w13_weight.data, layer.w13_weight_scale.data).to(dtype)
-            layer._qc_w2 = mxfp8_experts_to_bf16(layer.w2_weight.data, layer.w2_weight_scale.data).to(dtype)
+            refresh_mxfp8_experts(layer)
 
     # NB: the class names must contain "ModelOpt": vLLM's RoutedExperts.weight_loader picks the
     # ModelOpt scale-loading branch by ``"ModelOpt" in type(quant_method).__name__``.

@@ -215,12 +215,17 @@ def load_staged(
     lock_wait_s: float = 60.0,
     ranks: tuple[int, int, int, int] | None = None,
     profile: int = 0,
+    direct_load=None,
 ) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
     ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
-    format). Returns JSON-serialisable statistics (with ``profile`` > 0, also the load's ``profile``
-    most expensive functions by cumulative time: scripts/bench_reload.py)."""
+    format). ``direct_load(iterator, forms)``, when given, is the direct in-place load
+    (qconvert/engine/vllm_direct.py), taken when :func:`vllm_direct.choose` finds modules it
+    applies to; ``path`` in the result says which ran (``why``: the reason code of a layerwise
+    load, ``modules``: the direct load's module counts per form). Returns JSON-serialisable
+    statistics (with ``profile`` > 0, also the load's ``profile`` most expensive functions by
+    cumulative time: scripts/bench_reload.py)."""
     from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
@@ -241,9 +246,20 @@ def load_staged(
             n_tensors = sum(len(m.spec.tensors) for m in maps)
             extra: dict = {}
 
+            forms, why = None, None
+            if layout is None:
+                from qconvert.engine import vllm_direct
+
+                forms, why = vllm_direct.choose(model, enabled=direct_load is not None, layout=layout)
+                extra["path"] = vllm_direct.PATH_DIRECT if forms is not None else vllm_direct.PATH_LAYERWISE
+                if why is not None:
+                    extra["why"] = why.value
+
             def run() -> None:
                 with torch.no_grad():
-                    if layout is None:
+                    if forms is not None:
+                        extra["modules"] = direct_load(iter_tensors(maps), forms)
+                    elif layout is None:
                         reload_weights(iter_tensors(maps))
                     else:
                         from qconvert.engine.vllm_layout_loader import load_preshuffled_entries
@@ -315,11 +331,38 @@ def copy_floor(
     return {"bytes": nbytes, "tensors": n, "seconds": best, "threads": torch.get_num_threads()}
 
 
-def load_staged_into_worker(worker, area: str, verify: bool = False, profile: int = 0) -> dict:
-    """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker."""
+def load_staged_into_worker(
+    worker, area: str, verify: bool = False, profile: int = 0, direct: bool | None = None
+) -> dict:
+    """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
+    (default: on unless ``QCONVERT_DIRECT_RELOAD=0`` in the server's environment) allows the direct
+    in-place load where it is exact (qconvert/engine/vllm_direct.py)."""
+    from qconvert.engine import vllm_direct
+
     runner = worker.model_runner
 
     def reload_weights(weights):
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
-    return load_staged(runner.get_model(), area, reload_weights, verify=verify, profile=profile)
+    def direct_load(weights, forms):
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(worker.vllm_config):
+            got = vllm_direct.load_direct(runner.get_model(), worker.vllm_config.model_config, weights, forms)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            fn = getattr(runner, reset, None)
+            if fn is not None:
+                fn()
+        return got
+
+    if direct is None:
+        direct = vllm_direct.direct_enabled()
+    lora = getattr(worker.vllm_config, "lora_config", None) is not None
+    return load_staged(
+        runner.get_model(),
+        area,
+        reload_weights,
+        verify=verify,
+        profile=profile,
+        direct_load=direct_load if direct and not lora else None,
+    )

@@ -35,6 +35,9 @@ _ROLE_TAGS = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F64": "f64"}
 QUANTIZED_FORMATS = ("mxfp8", "nvfp4", "fp8", "fp8-block")
 #: schemes qconvert can verify; the others detect but do not verify
 UNVERIFIABLE = ("unknown", "fp8", "fp8-block")
+#: dtypes of FP8 block-scale tensors (fp32 in DeepSeek-style sources, the model's dtype in
+#: compressed-tensors ones; docs/formats.md#compressed-tensors-fp8-block-sources)
+FP8_BLOCK_SCALE_TAGS = ("F32", "BF16", "F16")
 #: ModelOpt quant_method values
 MODELOPT_METHODS = ("modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_fp8")
 
@@ -99,11 +102,12 @@ def module_format(tensors: dict[str, tuple[str, tuple]]) -> tuple[str, list[int]
         ):
             return "mxfp8", shape, scale_sfx
         if (
-            scale[0] == "F32"
+            scale[0] in FP8_BLOCK_SCALE_TAGS
             and len(scale[1]) == 2
             and len(shape) == 2
             and (scale[1][0] > 1 or scale[1][1] > 1)
             and scale[1][1] < shape[1]
+            and not (scale[1][0] == shape[0] and scale[1][1] == 1)  # per-channel [N, 1]
         ):
             return "fp8-block", shape, scale_sfx
         return "fp8", shape, scale_sfx
@@ -213,6 +217,8 @@ def _ct_scheme(qc: dict) -> str:
         bits, typ, gs = w.get("num_bits"), w.get("type"), w.get("group_size")
         if bits == 4 and typ == "float":
             return "nvfp4"
+        if bits == 8 and typ == "float" and w.get("strategy") == "block":
+            return "fp8-block"  # llm-compressor FP8_BLOCK (docs/formats.md#compressed-tensors-fp8-block-sources)
         if bits == 8 and typ == "float":
             return (
                 "mxfp8"

@@ -23,7 +23,7 @@ IGNORE = "ignore"  # ModelOpt and compressed-tensors
 EXCLUDE_MODULES = "exclude_modules"
 
 #: where each (scheme, dialect) keeps its list in config.json's quantization_config; also the
-#: dialects qconvert only reads (mxfp8 flat, fp8, fp8-block deepseek)
+#: dialects qconvert only reads (mxfp8 flat, fp8, fp8-block deepseek and compressed-tensors)
 EXCLUSION_KEYS = {
     ("mxfp8", "auto"): (IGNORED_LAYERS, MODULES_TO_NOT_CONVERT),
     ("mxfp8", "sglang"): (MODULES_TO_NOT_CONVERT,),
@@ -35,6 +35,7 @@ EXCLUSION_KEYS = {
     ("fp8", "modelopt"): (IGNORE,),
     ("fp8", "compressed-tensors"): (IGNORE,),
     ("fp8-block", "deepseek"): (MODULES_TO_NOT_CONVERT,),
+    ("fp8-block", "compressed-tensors"): (IGNORE,),
 }
 
 #: keys under which a reader finds the list, per quant_method family (inspect's detection)

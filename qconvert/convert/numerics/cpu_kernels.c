@@ -112,12 +112,12 @@ static inline __attribute__((always_inline)) void mxfp8_range(const void *x, con
 
 
 #ifdef __AVX2__
-/* AVX2 versions of the BF16 MXFP8 and NVFP4 (TE recipe) loops: the same operations as the portable
+/* AVX2 versions of the BF16 MXFP8 and NVFP4 (TE recipe) loops (ModelOpt and 4over6: further down): the same operations as the portable
  * code above, lane by lane (each intrinsic is one IEEE fp32 operation or an integer/bit operation),
  * for groups of 8 blocks. GCC vectorized the portable loops at 128 bits with spills and lane
  * shuffles (about 5 cycles per element on a Zen host); written out, a block is one or two 256-bit
  * loads, the 8 blocks' scale arithmetic one vector, and the codes are packed by pack instructions.
- * Tails of fewer than 8 blocks, FP32 inputs and the ModelOpt recipe use the portable code. */
+ * Tails of fewer than 8 blocks and FP32 inputs use the portable code. */
 #include <immintrin.h>
 
 #define I32(v) _mm256_set1_epi32((int)(v))
@@ -436,6 +436,180 @@ void qc_nvfp4(const void *x, int kind, int64_t b0, int64_t b1, int te, float k0,
 #endif
     if (kind == 0) nvfp4_range(x, 0, b0, b1, te, k0, k1, g_zero, p, sc);
     else nvfp4_range(x, 1, b0, b1, te, k0, k1, g_zero, p, sc);
+}
+
+/* NVFP4, 4over6 recipe (TransformerEngine 2.17, E4M3 max 256, MAE; nvfp4.py's module docstring):
+ * each block quantized twice, its maximum mapped to 6 (s6) and to 4 (s4 = e4m3(1.5 * base)), and
+ * the candidate whose decoded block has the smaller sum of |decoded - x| kept (ties and NaN: s6).
+ * s_enc = S_enc, s_dec = S_dec, g = the global amax (the error decodes with g / 1536). */
+
+/* E2M1 value of a signed 4-bit code: magnitudes 2..7 are (1 + (c & 1) / 2) * 2^(c / 2 - 1), the
+ * fp32 bits (252 + c) << 22; 0 and 1 are c * 0.5. Code 8 gives -0.0, as e2m1_to_float. */
+static inline float e2m1_value(uint32_t code) {
+    uint32_t c = code & 7u;
+    uint32_t mag = sel(c < 2u, f2u((float)(int32_t)c * 0.5f), (252u + c) << 22);
+    return u2f(mag | ((code & 8u) << 28));
+}
+
+static inline __attribute__((always_inline)) void nvfp4_4over6_range(const void *x, const int kind, int64_t b0,
+                                                                    int64_t b1, float s_enc, float s_dec, float g,
+                                                                    uint8_t *restrict p, uint8_t *restrict sc) {
+    const float flt_max = 3.4028234663852886e38f;
+    uint32_t am[G], scale6[G], scale4[G];
+    float f6[G], f4[G], sf6[G], sf4[G];
+    float fe6[G * 8], fe4[G * 8], se6[G * 8], se4[G * 8]; /* per pair of elements, as spread() */
+    uint8_t byte6[G * 8], byte4[G * 8];
+    /* |decoded - x| of elements 2j (even) and 2j + 1 (odd) of each block, one array each: the loop
+     * over pairs vectorizes only with contiguous stores */
+    float e6e[G * 8], e6o[G * 8], e4e[G * 8], e4o[G * 8];
+    for (int64_t b = b0; b < b1; b += G) {
+        int n = b1 - b < G ? (int)(b1 - b) : G;
+        group_absmax(x, kind, b, n, 16, am);
+        for (int k = 0; k < n; k++) {
+            float base = (u2f(am[k]) / 6.0f) * s_enc;
+            float s = fsel(base > 448.0f, 448.0f, base); /* NaN stays NaN */
+            float t = base * 1.5f;
+            t = fsel(t > 448.0f, 448.0f, t);
+            scale6[k] = e4m3(s);
+            scale4[k] = e4m3(t);
+            sf6[k] = e4m3_value(scale6[k]);
+            sf4[k] = e4m3_value(scale4[k]);
+            float i6 = 1.0f / (sf6[k] * s_dec), i4 = 1.0f / (sf4[k] * s_dec);
+            f6[k] = fsel(i6 > flt_max, flt_max, i6);
+            f4[k] = fsel(i4 > flt_max, flt_max, i4);
+        }
+        spread(f6, n, fe6);
+        spread(f4, n, fe4);
+        spread(sf6, n, se6);
+        spread(sf4, n, se4);
+        for (int m = 0; m < n * 8; m++) {
+            float lo, hi;
+            elem_pair(x, kind, b * 16, m, &lo, &hi);
+            uint32_t l = te_code(lo * fe6[m]), h = te_code(hi * fe6[m]);
+            byte6[m] = (uint8_t)(l | (h << 4));
+            e6e[m] = fabs_bits(((e2m1_value(l) * se6[m]) * g) / 1536.0f - lo);
+            e6o[m] = fabs_bits(((e2m1_value(h) * se6[m]) * g) / 1536.0f - hi);
+        }
+        for (int m = 0; m < n * 8; m++) {
+            float lo, hi;
+            elem_pair(x, kind, b * 16, m, &lo, &hi);
+            uint32_t l = te_code(lo * fe4[m]), h = te_code(hi * fe4[m]);
+            byte4[m] = (uint8_t)(l | (h << 4));
+            e4e[m] = fabs_bits(((e2m1_value(l) * se4[m]) * g) / 1536.0f - lo);
+            e4o[m] = fabs_bits(((e2m1_value(h) * se4[m]) * g) / 1536.0f - hi);
+        }
+        /* the errors summed in element order from 0, block by block (the loop runs across blocks) */
+        float e6[G], e4[G];
+        for (int k = 0; k < G; k++) e6[k] = e4[k] = 0.0f;
+        for (int j = 0; j < 8; j++)
+            for (int k = 0; k < n; k++) {
+                e6[k] = (e6[k] + e6e[8 * k + j]) + e6o[8 * k + j];
+                e4[k] = (e4[k] + e4e[8 * k + j]) + e4o[8 * k + j];
+            }
+        for (int k = 0; k < n; k++) {
+            uint32_t four = e4[k] < e6[k];
+            sc[b + k] = (uint8_t)sel(four, scale4[k], scale6[k]);
+            for (int j = 0; j < 8; j++) p[(b + k) * 8 + j] = (uint8_t)sel(four, byte4[8 * k + j], byte6[8 * k + j]);
+        }
+    }
+}
+
+#ifdef __AVX2__
+/* 8x8 transpose of fp32 lanes: r[j] lane k = v[k] lane j */
+static inline void transpose8(const __m256 v[8], __m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++) {
+        u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+        u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+        u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+        u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
+}
+
+/* One candidate of 8 BF16 blocks (w, a as nvfp4_group_load gives them) with block scales sf
+ * (lane k = block k): packed codes c[k] (int32 lanes, as store_bytes4 takes them) and the error
+ * sums (lane k = block k). The decoded magnitudes of block k are the 8-entry table
+ * ((level * sf_k) * g) / 1536, looked up by magnitude code (a lane permute); the decoded value has
+ * x's sign (te_code's sign is x's sign bit), so |decoded - x| = |table[code] - |x||. */
+static inline __m256 four_over_six_candidate(const __m256i w[8], const __m256i a[8], __m256 sf, __m256 s_dec,
+                                             __m256 g, __m256i c[8]) {
+    const __m256 flt_max = _mm256_set1_ps(3.4028234663852886e38f);
+    const __m256 levels = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(sf, s_dec));
+    inv = _mm256_blendv_ps(inv, flt_max, _mm256_cmp_ps(inv, flt_max, _CMP_GT_OQ));
+    float f[8], s[8];
+    _mm256_storeu_ps(f, inv);
+    _mm256_storeu_ps(s, sf);
+    __m256 de[8], dodd[8];
+    for (int k = 0; k < 8; k++) {
+        __m256 fk = _mm256_set1_ps(f[k]);
+        __m256 table = _mm256_div_ps(_mm256_mul_ps(_mm256_mul_ps(levels, _mm256_set1_ps(s[k])), g),
+                                     _mm256_set1_ps(1536.0f));
+        __m256 xe = even_elems(a[k]), xo = odd_elems(a[k]);
+        __m256i me = e2m1_mag_v(_mm256_mul_ps(xe, fk)), mo = e2m1_mag_v(_mm256_mul_ps(xo, fk));
+        const __m256 abs_mask = _mm256_castsi256_ps(I32(0x7FFFFFFF));
+        de[k] = _mm256_and_ps(_mm256_sub_ps(_mm256_permutevar8x32_ps(table, me), xe), abs_mask);
+        dodd[k] = _mm256_and_ps(_mm256_sub_ps(_mm256_permutevar8x32_ps(table, mo), xo), abs_mask);
+        __m256i sign = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[k], 12), I32(8)),
+                                       _mm256_and_si256(_mm256_srli_epi32(w[k], 24), I32(0x80)));
+        c[k] = _mm256_or_si256(_mm256_or_si256(me, _mm256_slli_epi32(mo, 4)), sign);
+    }
+    __m256 te[8], to[8];
+    transpose8(de, te);
+    transpose8(dodd, to);
+    __m256 err = _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++) err = _mm256_add_ps(_mm256_add_ps(err, te[j]), to[j]); /* elements 2j, 2j + 1 */
+    return err;
+}
+
+static void nvfp4_4over6_bf16_avx2(const uint16_t *x, int64_t b0, int64_t b1, float s_enc, float s_dec, float g,
+                                   uint8_t *p, uint8_t *sc) {
+    const __m256 e4m3_max = _mm256_set1_ps(448.0f);
+    for (int64_t b = b0; b + 8 <= b1; b += 8) {
+        __m256i w[8], a[8];
+        __m256 base = _mm256_mul_ps(_mm256_div_ps(nvfp4_group_load(x, b, w, a), _mm256_set1_ps(6.0f)),
+                                    _mm256_set1_ps(s_enc));
+        __m256 s6 = _mm256_blendv_ps(base, e4m3_max, _mm256_cmp_ps(base, e4m3_max, _CMP_GT_OQ));
+        __m256 s4 = _mm256_mul_ps(base, _mm256_set1_ps(1.5f));
+        s4 = _mm256_blendv_ps(s4, e4m3_max, _mm256_cmp_ps(s4, e4m3_max, _CMP_GT_OQ));
+        __m256i scale6 = e4m3_mag_v(s6), scale4 = e4m3_mag_v(s4); /* >= 0, or a NaN with the sign bit clear */
+        __m256i c6[8], c4[8];
+        __m256 err6 = four_over_six_candidate(w, a, e4m3_value_v(scale6), _mm256_set1_ps(s_dec), _mm256_set1_ps(g), c6);
+        __m256 err4 = four_over_six_candidate(w, a, e4m3_value_v(scale4), _mm256_set1_ps(s_dec), _mm256_set1_ps(g), c4);
+        __m256i four = _mm256_castps_si256(_mm256_cmp_ps(err4, err6, _CMP_LT_OQ)); /* NaN: false, map-to-6 */
+        int32_t bytes[8], pick[8];
+        _mm256_storeu_si256((__m256i *)bytes, _mm256_blendv_epi8(scale6, scale4, four));
+        _mm256_storeu_si256((__m256i *)pick, four);
+        __m256i c[8];
+        for (int k = 0; k < 8; k++) {
+            sc[b + k] = (uint8_t)bytes[k];
+            c[k] = _mm256_blendv_epi8(c6[k], c4[k], _mm256_set1_epi32(pick[k]));
+        }
+        store_bytes4(p + b * 8, c[0], c[1], c[2], c[3]);
+        store_bytes4(p + b * 8 + 32, c[4], c[5], c[6], c[7]);
+    }
+}
+#endif
+
+void qc_nvfp4_4over6(const void *x, int kind, int64_t b0, int64_t b1, float s_enc, float s_dec, float g, uint8_t *p,
+                     uint8_t *sc) {
+#ifdef __AVX2__
+    if (kind == 0 && getenv("QCONVERT_NO_AVX2") == NULL) {
+        int64_t full = b0 + (b1 - b0) / 8 * 8;
+        nvfp4_4over6_bf16_avx2((const uint16_t *)x, b0, full, s_enc, s_dec, g, p, sc);
+        b0 = full;
+    }
+#endif
+    if (kind == 0) nvfp4_4over6_range(x, 0, b0, b1, s_enc, s_dec, g, p, sc);
+    else nvfp4_4over6_range(x, 1, b0, b1, s_enc, s_dec, g, p, sc);
 }
 
 /* 1 where the AVX2 loops were compiled in (a -march=native build on an AVX2 CPU) */

@@ -13,7 +13,7 @@ the source, the compiler and the machine, and loaded with ctypes. Without a comp
 ``QCONVERT_CPU_KERNELS=0``, the torch chains run instead (same bytes, slower).
 
 A fresh build is used only after it passed a self-check against the torch chains (every finite
-BF16 pattern and wide-range FP32, MXFP8 and both NVFP4 recipes, vector and portable loops): a
+BF16 pattern and wide-range FP32, MXFP8 and the three NVFP4 recipes, vector and portable loops): a
 compiler that miscompiles the loops for this CPU (GCC 12 did, once, with AVX-512) must not write
 wrong bytes. A -march=native build that fails it is rebuilt for the baseline ISA; a build that
 still fails is not used, and :func:`status` says why.
@@ -148,6 +148,8 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
     lib.qc_mxfp8.restype = None
     lib.qc_nvfp4.argtypes = [p, i, i64, i64, i, f, f, i, p, p]
     lib.qc_nvfp4.restype = None
+    lib.qc_nvfp4_4over6.argtypes = [p, i, i64, i64, f, f, f, p, p]
+    lib.qc_nvfp4_4over6.restype = None
     lib.qc_absmax_bits.argtypes = [p, i, i64, i64]
     lib.qc_absmax_bits.restype = ctypes.c_uint32
     lib.qc_avx2.argtypes = []
@@ -205,7 +207,7 @@ def _self_check(lib: ctypes.CDLL) -> str:
         xb = x.view(-1, nvfp4.NVFP4_BLOCK)
         amax = float(x.float().abs().max())
         pk, sc = torch.empty(xb.shape[0], 8, dtype=torch.uint8), torch.empty(xb.shape[0], dtype=torch.uint8)
-        for recipe in ("te", "modelopt"):
+        for recipe in ("te", "modelopt", "4over6"):
             for gv in (amax, amax * 2.0**-40, 2688.0):
                 g = np.float32(gv)
                 gt = torch.tensor(g, dtype=torch.float32)
@@ -214,18 +216,12 @@ def _self_check(lib: ctypes.CDLL) -> str:
                 nvfp4.quantize_cpu_chain(xb, gt, nvfp4.recipe_scale_2(gt, recipe), recipe, pk_ref, sc_ref, 1)
                 _, k0, k1 = nvfp4.cpu_tensor_scalars(g, recipe)
                 for path in _loop_paths():
-                    lib.qc_nvfp4(
-                        xb.data_ptr(),
-                        kind,
-                        0,
-                        xb.shape[0],
-                        int(recipe == "te"),
-                        float(k0),
-                        float(k1),
-                        int(g == 0),
-                        pk.data_ptr(),
-                        sc.data_ptr(),
-                    )
+                    if recipe == "4over6":
+                        args = (float(k0), float(k1), float(g), pk.data_ptr(), sc.data_ptr())
+                        lib.qc_nvfp4_4over6(xb.data_ptr(), kind, 0, xb.shape[0], *args)
+                    else:
+                        args = (int(recipe == "te"), float(k0), float(k1), int(g == 0), pk.data_ptr(), sc.data_ptr())
+                        lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], *args)
                     if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
                         return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
     return ""
@@ -261,7 +257,7 @@ def status() -> str:
 
 
 def avx2() -> bool:
-    """True where the AVX2 loops for BF16 MXFP8 and NVFP4 (TE recipe) are compiled in. They run
+    """True where the AVX2 loops for BF16 MXFP8 and NVFP4 (every recipe) are compiled in. They run
     unless ``QCONVERT_NO_AVX2`` is set (read at each call), which gives the portable loops: same
     bytes, slower (tests run both)."""
     lib = library()
@@ -313,6 +309,17 @@ def nvfp4_into(
     xp, pp, sp = xb.data_ptr(), packed.data_ptr(), scale.data_ptr()
     te_i, gz = int(bool(te)), int(bool(g_zero))
     run_chunks(lambda b0, b1: lib.qc_nvfp4(xp, kind, b0, b1, te_i, k0, k1, gz, pp, sp), xb.shape[0], workers)
+
+
+def nvfp4_4over6_into(
+    xb: torch.Tensor, s_enc: float, s_dec: float, g: float, packed: torch.Tensor, scale: torch.Tensor, workers: int
+) -> None:
+    """The 4over6 recipe (``qc_nvfp4_4over6``) on contiguous blocks ``xb [n, 16]`` into ``packed
+    [n, 8]`` and e4m3 ``scale [n]``, with TE's ``S_enc``, ``S_dec`` and the global amax ``g``."""
+    lib = library()
+    kind = _KIND[xb.dtype]
+    xp, pp, sp = xb.data_ptr(), packed.data_ptr(), scale.data_ptr()
+    run_chunks(lambda b0, b1: lib.qc_nvfp4_4over6(xp, kind, b0, b1, s_enc, s_dec, g, pp, sp), xb.shape[0], workers)
 
 
 def decode_stats(

@@ -18,7 +18,9 @@ are computed in the kernel in the torch code's operation order; as tiny torch ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
 
@@ -48,6 +50,9 @@ MXFP8_PROGRAM_BLOCKS = 128
 MXFP8_WARPS = 4
 NVFP4_PROGRAM_BLOCKS = {"te": 128, "modelopt": 64}
 NVFP4_WARPS = 1
+#: 4over6 (one lane per block; not tuned on a GPU yet)
+FOUR_OVER_SIX_PROGRAM_BLOCKS = 128
+FOUR_OVER_SIX_WARPS = 4
 
 
 def available(device) -> bool:
@@ -108,7 +113,8 @@ if triton is not None:
         tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + rows, byte.to(tl.uint8), mask=rows < n_blocks)
 
-    HAVE_RCP_RN = tl.constexpr(libdevice is not None)
+    # Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors) has no libdevice: IEEE division by 1 there
+    HAVE_RCP_RN = tl.constexpr(libdevice is not None and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit
     def _recip(z):
@@ -243,6 +249,95 @@ if triton is not None:
         if tl.program_id(0) == 0:
             tl.store(scale_2_ptr, scale_2)
 
+    @triton.jit
+    def _e2m1_level(code):
+        """fp32 value of E2M1 magnitude codes 0..7 (int32): codes 2..7 are the fp32 bits
+        (252 + c) << 22 (1, 1.5, 2, 3, 4, 6), codes 0 and 1 are c / 2."""
+        return tl.where(code < 2, code.to(tl.float32) * 0.5, ((code + 252) << 22).to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _e4m3_round(s):
+        """``s`` (0 <= s <= 448, or NaN) rounded to the nearest E4M3 value, ties to even, as fp32: from
+        2^-6 up 3 mantissa bits (round half up plus the kept bit's parity, then truncate), below it
+        the subnormal step 2^-9 (one fp32 add at 2^14, where the fp32 step is 2^-9). Spelt out rather
+        than a cast: Triton's interpreter truncates fp32 -> fp8, and the 4over6 test runs there too."""
+        u = s.to(tl.int32, bitcast=True)
+        nor = ((u + 0x7FFFF + ((u >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # & 0xFFF00000
+        sub = (s + 16384.0) - 16384.0
+        return tl.where(s < 0.015625, sub, tl.where(s == s, nor, s))
+
+    @triton.jit
+    def _load_pair(x_ptr, rows, j, live, BF16_WORDS: tl.constexpr):
+        """Elements 2j and 2j + 1 of each block ``rows`` as fp32 (zeros past ``n_blocks``)."""
+        if BF16_WORDS:
+            w = tl.load(x_ptr + rows * 8 + j, mask=live, other=0)
+            return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            xe = tl.load(x_ptr + rows * 16 + 2 * j, mask=live, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + rows * 16 + 2 * j + 1, mask=live, other=0.0).to(tl.float32)
+            return xe, xo
+
+    @triton.jit
+    def _four_over_six_error(ae, ao, inv, sf, g):
+        """|decoded - x| of elements |x| = ``ae``, ``ao`` quantized with multiplier ``inv`` and block
+        scale ``sf``: ((level * sf) * g) / 1536 is the decoded magnitude, and the decoded value has
+        x's sign (the code's sign is x's sign bit), so |decoded - x| = |that - |x||."""
+        le = _e2m1_level(_e2m1_magnitude(ae * inv) & 7)
+        lo = _e2m1_level(_e2m1_magnitude(ao * inv) & 7)
+        de = tl.abs(tl.math.div_rn((le * sf) * g, 1536.0) - ae)
+        do = tl.abs(tl.math.div_rn((lo * sf) * g, 1536.0) - ao)
+        return de, do
+
+    @triton.jit
+    def _nvfp4_4over6_kernel(
+        x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, BF16_WORDS: tl.constexpr, BLOCKS: tl.constexpr
+    ):
+        """The 4over6 recipe (nvfp4.py's module docstring) on blocks of 16, the global amax at
+        ``g_ptr``; program 0 also writes ``scale_2``. One lane per block, the block read pair by pair
+        (``_load_pair``) three times: its amax; both candidates' codes and errors, the errors summed
+        in element order as the definition requires (a tree reduction would round differently);
+        the kept candidate's codes. Every per-tensor value is a vector of the global amax's lanes."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        live = rows < n_blocks
+        g = tl.load(g_ptr + rows * 0)
+        q = tl.math.div_rn(tl.full([BLOCKS], 1536.0, tl.float32), g)
+        s_enc = tl.minimum(q, FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+        s_enc = tl.where(g == 0.0, 1.0, tl.where(s_enc == 0.0, 1.0, s_enc))
+        s_dec = _recip(s_enc)
+        # TE clamps S_enc at FLT_MAX: the decode scale is then 1 / S_enc
+        tiny = _recip(tl.full([BLOCKS], FLT_MAX, tl.float32))
+        scale_2 = tl.where(g > 0.0, tl.where(q > FLT_MAX, tiny, tl.math.div_rn(g, 1536.0)), tl.math.div_rn(g, 1536.0))
+        amax = tl.zeros([BLOCKS], tl.float32)
+        for j in tl.static_range(8):
+            xe, xo = _load_pair(x_ptr, rows, j, live, BF16_WORDS)
+            amax = _max_nan(amax, _max_nan(tl.abs(xe), tl.abs(xo)))  # a NaN anywhere gives NaN
+        base = tl.math.div_rn(amax, 6.0) * s_enc
+        sf6 = _e4m3_round(tl.minimum(base, 448.0, propagate_nan=tl.PropagateNan.ALL))
+        sf4 = _e4m3_round(tl.minimum(base * 1.5, 448.0, propagate_nan=tl.PropagateNan.ALL))
+        inv6 = tl.minimum(_recip(sf6 * s_dec), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+        inv4 = tl.minimum(_recip(sf4 * s_dec), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+        err6 = tl.zeros([BLOCKS], tl.float32)
+        err4 = tl.zeros([BLOCKS], tl.float32)
+        for j in tl.static_range(8):
+            xe, xo = _load_pair(x_ptr, rows, j, live, BF16_WORDS)
+            ae, ao = tl.abs(xe), tl.abs(xo)
+            de, do = _four_over_six_error(ae, ao, inv6, sf6, g)
+            err6 = (err6 + de) + do
+            de, do = _four_over_six_error(ae, ao, inv4, sf4, g)
+            err4 = (err4 + de) + do
+        four = err4 < err6  # ties and NaN keep map-to-6
+        inv = tl.where(four, inv4, inv6)
+        for j in tl.static_range(8):
+            xe, xo = _load_pair(x_ptr, rows, j, live, BF16_WORDS)
+            me = _e2m1_magnitude(tl.abs(xe) * inv)
+            mo = _e2m1_magnitude(tl.abs(xo) * inv)
+            # TE's sign: x's sign bit (as the te recipe above)
+            sign = ((xe.to(tl.int32, bitcast=True) >> 28) & 8) | ((xo.to(tl.int32, bitcast=True) >> 24) & 0x80)
+            byte = (mo << 4) + me + sign
+            tl.store(packed_ptr + rows * 8 + j, byte.to(tl.uint8), mask=live)
+        tl.store(scale_ptr + rows, tl.where(four, sf4, sf6).to(tl.float8e4nv), mask=live)  # exact: E4M3 values
+        tl.store(scale_2_ptr + rows * 0, scale_2, mask=rows == 0)
+
 
 def _grid(n_blocks: int, per_program: int):
     return (triton.cdiv(n_blocks, per_program),)
@@ -263,10 +358,16 @@ def mxfp8_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s (nothing to do for the CPU
+    tensors of Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     """Same contract as :func:`nvfp4.nvfp4_quantize_blocks`: ``xb [n, 16]`` on CUDA and the global
     amax ``g`` (fp32 0-dim) -> (packed uint8 [n, 8], block scale e4m3 [n], scale_2 fp32 0-dim).
-    One kernel launch, no other device work."""
+    One kernel launch, no other device work. Every NVFP4 recipe (``nvfp4_blocks.recipes``)."""
     xb = xb.contiguous()
     n = xb.shape[0]
     g = g.detach().to(device=xb.device, dtype=torch.float32).reshape(1)
@@ -274,8 +375,24 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
     scale_2 = torch.empty(1, dtype=torch.float32, device=xb.device)
     words = xb.dtype == torch.bfloat16
+    if recipe == "4over6":
+        blocks = FOUR_OVER_SIX_PROGRAM_BLOCKS
+        with _on_device(xb):
+            _nvfp4_4over6_kernel[_grid(max(n, 1), blocks)](
+                xb.view(torch.int32) if words else xb,
+                packed,
+                scale,
+                g,
+                scale_2,
+                n,
+                BF16_WORDS=words,
+                BLOCKS=blocks,
+                num_warps=FOUR_OVER_SIX_WARPS,
+                **_launch_options(),
+            )
+        return packed, scale, scale_2.reshape(())
     blocks = NVFP4_PROGRAM_BLOCKS[recipe]
-    with torch.cuda.device(xb.device):  # Triton launches on the current device
+    with _on_device(xb):
         _nvfp4_kernel[_grid(max(n, 1), blocks)](
             xb.view(torch.int32) if words else xb,
             packed,
@@ -290,3 +407,7 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
             **_launch_options(),
         )
     return packed, scale, scale_2.reshape(())
+
+
+#: the NVFP4 recipes nvfp4_blocks implements (nvfp4.nvfp4_quantize reads this from the core it is given)
+nvfp4_blocks.recipes = ("te", "modelopt", "4over6")

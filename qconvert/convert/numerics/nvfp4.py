@@ -54,8 +54,9 @@ different fp32 operation order, so the bytes differ on a small fraction of block
         err_k = sum over the 16 elements in order, from 0.0, of |((e2m1(c_k) * s_k) * g) / 1536 - x|
         keep (s4, c4) if err_4 < err_6, else (s6, c6)        (ties and NaN: map-to-6)
 
-    ``scale_2 = g / 1536`` (``1 / FLT_MAX`` where S_enc was clamped). The C and Triton kernels do
-    not implement it: this recipe always runs the torch op chain below (on CPU or CUDA).
+    ``scale_2 = g / 1536`` (``1 / FLT_MAX`` where S_enc was clamped). The C kernel
+    (``qc_nvfp4_4over6``) and the Triton kernel (``_nvfp4_4over6_kernel``) implement it; the
+    compiled chain (``QCONVERT_CUDA_QUANTIZER=compile``) is not used for it (the eager chain runs).
 
 ``g`` is the global amax: ``max|x|`` unless the caller passes ``global_amax`` (the max over a
 fused group such as q/k/v or gate/up, docs/formats.md#nvfp4-shared-global-scales; it must be >= max|x| of this tensor). All
@@ -243,11 +244,18 @@ def te_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s_enc * _f32(1.0 / E2M1_MAX, dev), s_dec
 
 
+def four_over_six_tensor_scalars(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4over6 recipe's per-tensor factors from the global amax ``g``: ``(S_enc, S_dec)`` of
+    ``1536 / g``, fp32 0-dim on ``g``'s device."""
+    s_enc = _te_s_enc(g, E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX)
+    return s_enc, _f32(1.0, g.device) / s_enc
+
+
 def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float32, np.float32]:
     """``(scale_2, k0, k1)`` for the C kernel from the global amax ``g``, as numpy fp32 scalars: the
     IEEE fp32 operations of :func:`recipe_scale_2` and :func:`te_tensor_scalars` (te: ``k0 = S_enc *
-    fl32(1/6)``, ``k1 = S_dec``) or :func:`modelopt_tensor_divisor` (modelopt: ``k0 = 6 * scale_2``,
-    ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
+    fl32(1/6)``, ``k1 = S_dec``; 4over6: ``k0 = S_enc``, ``k1 = S_dec`` of ``1536 / g``) or
+    :func:`modelopt_tensor_divisor` (modelopt: ``k0 = 6 * scale_2``, ``k1 = scale_2``), without the two dozen torch dispatches they cost per tensor (a quarter of a
     3 MB expert's time on a 2-core machine)."""
     f = np.float32
     div = f(global_div(recipe))
@@ -261,6 +269,8 @@ def cpu_tensor_scalars(g: np.float32, recipe: str) -> tuple[np.float32, np.float
         s_enc = np.minimum(q, _NP_FLT_MAX)  # NaN propagates, as torch.minimum
         if g == 0 or s_enc == 0:
             s_enc = f(1.0)
+        if recipe == "4over6":
+            return scale_2, s_enc, f(1.0) / s_enc
         return scale_2, s_enc * f(1.0 / E2M1_MAX), f(1.0) / s_enc
 
 
@@ -377,8 +387,7 @@ def _quantize_blocks_4over6(xb: torch.Tensor, g: torch.Tensor, packed: torch.Ten
     dev = xb.device
     flt_max = _f32(_FLT_MAX, dev)
     div = _f32(E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX, dev)
-    s_enc = _te_s_enc(g, E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX)
-    s_dec = _f32(1.0, dev) / s_enc
+    s_enc, s_dec = four_over_six_tensor_scalars(g)
     x = xb.float()
     base = (_block_amax(xb) / _f32(E2M1_MAX, dev)) * s_enc
     best_err = best_code = best_scale = None
@@ -488,9 +497,7 @@ def nvfp4_quantize(
     dev = x.device
     xb = x.reshape(-1, NVFP4_BLOCK)
     w = torch.get_num_threads() if workers is None else workers
-    if recipe == "4over6":
-        blocks_fn = None  # the C and Triton kernels implement te/modelopt only: the op chain runs
-    elif xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
+    if xb.shape[0] and cpu_kernels.usable(xb):  # per-tensor scalars in numpy fp32: see cpu_tensor_scalars
         if global_amax is None:
             g = cpu_kernels.abs_max_f32(xb, w)
         elif torch.is_tensor(global_amax):
@@ -500,9 +507,11 @@ def nvfp4_quantize(
         scale_2, k0, k1 = cpu_tensor_scalars(g, recipe)
         packed = torch.empty(*lead, k // 2, dtype=torch.uint8)
         scale = torch.empty(*lead, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn)
-        cpu_kernels.nvfp4_into(
-            xb, recipe == "te", float(k0), float(k1), bool(g == 0), packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1), w
-        )
+        pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
+        if recipe == "4over6":
+            cpu_kernels.nvfp4_4over6_into(xb, float(k0), float(k1), float(g), pv, sv, w)
+        else:
+            cpu_kernels.nvfp4_into(xb, recipe == "te", float(k0), float(k1), bool(g == 0), pv, sv, w)
         return packed, scale, torch.tensor(scale_2, dtype=torch.float32)
     g = _global_amax(x, global_amax)
     if dev.type == "cpu" or blocks_fn is None or xb.shape[0] == 0:
@@ -516,6 +525,9 @@ def nvfp4_quantize(
             else:
                 _quantize_blocks(xb, g, scale_2, recipe, pv, sv)
         return packed, scale, scale_2
+    if recipe not in getattr(blocks_fn, "recipes", ("te", "modelopt")):
+        # a core that does not declare this recipe (the compiled chain has not been checked on 4over6)
+        return nvfp4_quantize(x, global_amax, recipe, workers)
     packed, scale, scale_2 = blocks_fn(xb, g, recipe)
     return packed.reshape(*lead, k // 2), scale.reshape(*lead, k // NVFP4_BLOCK), scale_2
 

@@ -1,0 +1,222 @@
+"""Engine side: the direct in-place load of checkpoint-format tensors into a running vLLM model.
+
+vLLM's layerwise reload (docs/reload.md#vllm-reload_weights) rebuilds every layer it loads:
+fresh parameters (first-touch page faults), the model's weight loaders into them, the quant
+method's ``process_weights_after_loading``, and a copy back into the served (kernel) tensors. For a
+layer whose kernel tensors ARE its loaded tensors, that rebuild only costs time: the model's own
+``load_weights`` can copy each checkpoint tensor (q/k/v and gate/up fused, experts stacked, TP
+shards sliced by the parameters' ``weight_loader``s) straight into the served storage, as RL
+frameworks do (docs/reload.md#vllm-direct-load).
+
+Which layers qualify is a value, :class:`Form`, decided per module by :func:`module_form` from the
+module's quant method and backend (vLLM 0.32.0 CPU), never by trying and catching:
+
+* ``Form.PLAIN``: no quant method (RMSNorm and the like): nothing processes the loaded weights.
+* ``Form.CPU_MOE``: BF16 experts on vLLM's CPU backend. ``process_weights_after_loading`` on a
+  weight update leaves the loaded layout in the kernel tensors (the prepack is skipped, which is
+  why the client calls ``qconvert_repack_cpu_moe`` after every reload); the direct load leaves them
+  in exactly that state.
+* ``Form.CPU_MXFP8_MOE``: MXFP8 experts of qconvert's CPU emulation plugin: the FP8 weights and
+  E8M0 scales are kept as loaded; the BF16 copy the experts run on is re-derived in place by the
+  plugin's own function (``vllm_cpu_plugin.refresh_mxfp8_experts``).
+* ``Form.LAYERWISE``: everything else (linear layers, whose CPU kernel tensor is a oneDNN or
+  packed copy; embeddings; quantized dense layers; attention), with a :class:`Why` code. Those
+  layers still go through vLLM's layerwise reload, in the same pass over the tensors.
+
+One pass: the direct modules are marked so that ``initialize_layerwise_reload`` leaves them alone,
+their parameters are swapped for views of the kernel storage carrying the attributes vLLM recorded
+at model build (``weight_loader``, shard dims), ``model.load_weights`` runs over every tensor, the
+kernel parameters are put back and ``finalize_layerwise_reload`` finishes the layerwise ones.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+
+#: ``path`` of a staged load's statistics: which load ran.
+PATH_DIRECT = "direct"
+PATH_LAYERWISE = "layerwise"
+#: Server environment variable: ``0`` turns the direct load off (every load layerwise, as before).
+DIRECT_ENV = "QCONVERT_DIRECT_RELOAD"
+
+
+def direct_enabled() -> bool:
+    import os
+
+    return os.environ.get(DIRECT_ENV, "1") != "0"
+
+
+class Form(enum.Enum):
+    """How a module's checkpoint tensors become its served tensors."""
+
+    PLAIN = "plain"
+    CPU_MOE = "cpu-moe"
+    CPU_MXFP8_MOE = "cpu-mxfp8-moe"
+    LAYERWISE = "layerwise"
+
+
+class Why(enum.Enum):
+    """Why a module (or the whole load) goes through vLLM's layerwise reload."""
+
+    QUANT_METHOD = "quant-method-transforms"  # a quant method whose processing is not known to be identity
+    ATTENTION = "deferred-attention"  # processed by vLLM at the end of every reload
+    ZENTORCH = "zentorch-experts"  # CPU experts on zentorch (weights in its own layout)
+    NO_METADATA = "no-build-metadata"  # vLLM recorded no build-time parameters for it
+    SHAPE = "kernel-shape-differs"  # a served tensor's shape/dtype/stride differs from the built one
+    FIRST_LOAD = "not-yet-processed"  # the MoE kernel was never set up (no weight update yet)
+    # whole-load reasons
+    DISABLED = "direct-disabled"  # QCONVERT_DIRECT_RELOAD=0, direct=False, or a LoRA server
+    PRESHUFFLED = "preshuffled-area"
+    NO_DIRECT_MODULE = "no-direct-module"
+
+
+def _param_metadata(module: torch.nn.Module) -> dict | None:
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    if info is None:
+        return None
+    return info.restore_metadata[0]
+
+
+def _kernel_matches_build(module: torch.nn.Module, meta: dict) -> bool:
+    """Every built parameter is still served with its build shape, dtype and strides."""
+    for name, m in meta.items():
+        p = module._parameters.get(name)
+        if p is None or p.is_meta or p.shape != m.shape or p.dtype != m.dtype or p.stride() != m.stride():
+            return False
+    return True
+
+
+def module_form(module: torch.nn.Module) -> tuple[Form, Why | None]:
+    """The :class:`Form` of one module that owns parameters (vLLM 0.32.0, CPU)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    if is_deferred_attention_layer(module):
+        return Form.LAYERWISE, Why.ATTENTION
+    meta = _param_metadata(module)
+    if meta is None or not meta:
+        return Form.LAYERWISE, Why.NO_METADATA
+    qm = getattr(module, "quant_method", None)
+    if qm is None:
+        form = Form.PLAIN
+    else:
+        form = _moe_form(module, qm)
+        if isinstance(form, Why):
+            return Form.LAYERWISE, form
+    if not _kernel_matches_build(module, meta):
+        return Form.LAYERWISE, Why.SHAPE
+    return form, None
+
+
+def _moe_form(module, qm) -> Form | Why:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from qconvert.engine import vllm_cpu_plugin
+
+    if isinstance(qm, UnquantizedFusedMoEMethod):
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+        if qm.unquantized_backend != UnquantizedMoeBackend.CPU:
+            return Why.QUANT_METHOD
+        if qm.moe_kernel is None:
+            return Why.FIRST_LOAD
+        fe = qm.moe_kernel.fused_experts
+        if not isinstance(fe, CPUUnquantizedExperts):
+            return Why.QUANT_METHOD
+        if getattr(fe, "_use_zentorch", False):
+            return Why.ZENTORCH
+        return Form.CPU_MOE
+    if vllm_cpu_plugin.is_mxfp8_experts_method(qm):
+        return Form.CPU_MXFP8_MOE
+    return Why.QUANT_METHOD
+
+
+def plan(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[Form, Why | None]]:
+    """:func:`module_form` of every module that owns parameters."""
+    return {m: module_form(m) for m in model.modules() if any(p is not None for p in m._parameters.values())}
+
+
+def summary(forms: dict) -> dict[str, int]:
+    """Module counts per form and per reason (JSON-serialisable, for the load statistics)."""
+    c = Counter(f.value if why is None else f"{f.value}:{why.value}" for f, why in forms.values())
+    return dict(sorted(c.items()))
+
+
+def _view_with_build_attrs(module: torch.nn.Module, live: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """A parameter over ``live``'s storage with the attributes (weight loader, shard dims) vLLM
+    recorded for it at model build, bound to ``module``."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    attrs = torch.empty(0, device="meta")
+    attrs.__dict__ = meta.__dict__.copy()
+    restore_layer_refs(attrs, module)
+    view = live.data
+    view.__class__ = meta.__class__
+    view.__dict__ = attrs.__dict__
+    return view
+
+
+@contextmanager
+def _direct_modules(direct: list[torch.nn.Module]):
+    """Mark ``direct`` as in-load (so ``initialize_layerwise_reload`` skips them) and serve them
+    views of their kernel storage with build attributes; undo both on exit, on every path."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for m in direct:
+            info = get_layerwise_info(m)
+            info.load_numel_total = 0  # can_load(): initialize_layerwise_reload passes it by
+            for name, meta in info.restore_metadata[0].items():
+                live = m._parameters[name]
+                swapped.append((m, name, live))
+                setattr(m, name, _view_with_build_attrs(m, live, meta))
+        yield
+    finally:
+        for m, name, live in swapped:
+            m.register_parameter(name, live)
+        for m in direct:
+            get_layerwise_info(m).reset()  # finalize_layerwise_reload passes it by
+
+
+def load_direct(model: torch.nn.Module, model_config, weights, forms: dict) -> dict:
+    """One pass of ``model.load_weights`` over ``weights``: modules of a direct form receive their
+    tensors in their served storage, the rest through vLLM's layerwise reload; then each direct
+    form's own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). Returns the
+    module counts (:func:`summary`)."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    from qconvert.engine import vllm_cpu_plugin
+
+    direct = [m for m, (f, _) in forms.items() if f is not Form.LAYERWISE]
+    with torch.no_grad():
+        with _direct_modules(direct):
+            initialize_layerwise_reload(model)
+            model.load_weights(weights)
+        finalize_layerwise_reload(model, model_config)
+        for m in direct:
+            if forms[m][0] is Form.CPU_MXFP8_MOE:
+                vllm_cpu_plugin.refresh_mxfp8_experts(m)
+    return summary(forms)
+
+
+def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tuple[dict | None, Why | None]:
+    """The forms for a direct load of ``model``, or (None, why) when the whole load goes through
+    vLLM's layerwise reload (``enabled`` False: turned off, or a LoRA server)."""
+    if not enabled:
+        return None, Why.DISABLED
+    if layout is not None:
+        return None, Why.PRESHUFFLED
+    forms = plan(model)
+    if not any(f is not Form.LAYERWISE for f, _ in forms.values()):
+        return None, Why.NO_DIRECT_MODULE
+    return forms, None

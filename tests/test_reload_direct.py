@@ -1,0 +1,139 @@
+"""The direct in-place reload of a staging area (qconvert/engine/vllm_direct.py,
+docs/reload.md#vllm-direct-load) against real vLLM (CPU build).
+
+Oracle: vLLM itself. A server started fresh on checkpoint B gives the greedy tokens and their
+log-probabilities; the same server, reloaded directly to A, must give what vLLM's own layerwise
+reload of A gives, and reloaded directly to B (from A's tensors) and again A -> B, exactly the
+fresh server's tokens and logprobs. The
+model is the Qwen3-MoE demo in MXFP8 with its last layer BF16 (``_make_pair``'s default), so both
+direct forms run: BF16 CPU experts and the CPU plugin's MXFP8 experts; attention and the other
+linear layers take vLLM's layerwise reload in the same pass. A second check runs vLLM's offline
+``LLM(...)`` with its default multiprocessing engine core and the worker extension: the direct load
+equals vLLM's layerwise reload of the same area in the same engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from qconvert.client import staging  # noqa: E402
+from qconvert.client.vllm_client import reload_vllm  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "def add(a, b):"]
+
+
+def _greedy_logprobs(url: str) -> list[tuple[str, list[float], list[dict]]]:
+    model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    out = []
+    for p in PROMPTS:
+        r = requests.post(
+            url + "/v1/completions",
+            json={
+                "model": model,
+                "prompt": p,
+                "max_tokens": 10,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": 3,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        out.append((ch["text"], ch["logprobs"]["token_logprobs"], ch["logprobs"]["top_logprobs"]))
+    return out
+
+
+def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
+    from test_reload_vllm import Server, _make_pair
+
+    from qconvert.client.vllm_client import VllmClient
+    from qconvert.engine import STAGED_RPC
+
+    monkeypatch.setenv("QCONVERT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    a, b, _ = _make_pair(tmp_path, "qwen3-moe:mxfp8")
+    area_a = staging.stage_checkpoint(a, "a").path
+    staging.stage_checkpoint(b, "b")
+    srv = Server(b, tmp_path / "server.log")
+
+    def direct(name: str) -> list:
+        res = reload_vllm([srv.url], f"shm:{name}", weight_version=name)
+        (stats,) = res[0].load
+        assert stats["path"] == "direct", stats
+        # both direct forms ran; attention/linear layers went through vLLM's layerwise reload
+        assert stats["modules"].get("cpu-moe", 0) == 1 and stats["modules"].get("cpu-mxfp8-moe", 0) >= 1, stats
+        assert any(k.startswith("layerwise:") for k in stats["modules"]), stats
+        assert stats["mappings_released"] is True
+        return _greedy_logprobs(srv.url)
+
+    try:
+        fresh_b = _greedy_logprobs(srv.url)
+        direct_a = direct("a")  # from B's served tensors: every expert tensor must change
+        assert direct_a != fresh_b
+        c = VllmClient(srv.url)
+        (st,) = c.collective_rpc(STAGED_RPC, area=str(area_a), direct=False)  # vLLM's own layerwise reload
+        c.collective_rpc("qconvert_repack_cpu_moe")
+        assert st["path"] == "layerwise" and st["why"] == "direct-disabled"
+        assert _greedy_logprobs(srv.url) == direct_a  # tokens and logprobs, exactly
+        assert direct("b") == fresh_b  # from A's served tensors (rebuilt by vLLM)
+        assert direct("a") == direct_a
+        assert direct("b") == fresh_b
+    finally:
+        srv.stop()
+        for n in ("a", "b"):
+            staging.drop_area(n)
+
+
+def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypatch):
+    """vLLM's default ``LLM(...)`` (engine core in its own process) with the worker extension: the
+    direct load runs there and gives what vLLM's layerwise reload of the same area gives."""
+    from test_reload_vllm import _make_pair
+    from vllm import LLM, SamplingParams
+
+    from qconvert.engine import WORKER_EXTENSION
+
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # vLLM's default: on
+    a, b, _ = _make_pair(tmp_path, "qwen3-moe:bf16")
+    areas = {n: str(staging.stage_checkpoint(c, f"llm-{n}").path) for n, c in (("a", a), ("b", b))}
+    llm = LLM(
+        model=str(a),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        dtype="bfloat16",
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(PROMPTS, sp)]
+
+    def load(area: str, direct: bool) -> dict:
+        (st,) = llm.collective_rpc("qconvert_load_staged", kwargs={"area": area, "direct": direct})
+        llm.collective_rpc("qconvert_repack_cpu_moe")
+        return st
+
+    try:
+        original = run()
+        st = load(areas["b"], True)
+        assert st["path"] == "direct" and st["modules"].get("cpu-moe") == 4, st
+        direct_b = run()
+        assert direct_b != original
+        st = load(areas["a"], False)
+        assert st["path"] == "layerwise" and st["why"] == "direct-disabled"
+        assert run() == original
+        load(areas["b"], False)
+        assert run() == direct_b  # vLLM's layerwise reload of B: the oracle
+        load(areas["a"], True)
+        assert run() == original
+    finally:
+        llm = None  # the engine core process ends with the LLM
+        for n in ("a", "b"):
+            staging.drop_area(f"llm-{n}")
