@@ -23,7 +23,8 @@ persistent shared-memory staging area, commit, and reload them into running serv
   is not committed and ``commit()`` flips ``commit.json``. A later refit whose outputs do not match
   ``area.json`` is refused with one line naming the tensor.
 * **Layer by layer.** Tensors are buffered per layer group; when a group is complete its jobs run
-  and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
+  (on CUDA a layer's experts quantized as one stack per tensor kind, MXFP8 and NVFP4 alike, and
+  one NaN/Inf check for the group) and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
   overlapped with the next group's quantization, at most two groups of output alive; on CPU,
   written into the mapping directly. No per-tensor ``.cpu()``, no sha256: each file's xxh3_128 is
   computed by a thread pool as soon as its group is written.
@@ -247,8 +248,10 @@ class Refitter:
         built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
 
         jobs_list = built.jobs
-        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape MXFP8 tensors in one launch
-            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, not (opts.allow_non_finite or self._check_group))
+        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape tensors in one launch
+            check = not (opts.allow_non_finite or self._check_group)
+            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, check)
+            jobs_list = _stack_nvfp4(jobs_list, inv, dialect, opts, check)
         # layer groups: which jobs each needs, and which source tensors complete it
         group_jobs: dict[tuple, list] = {}
         for j in jobs_list:
@@ -665,6 +668,29 @@ def _stack_mxfp8(jobs: list, inv: dict, device: str, check: bool) -> list:
             out.append(j)
     for js in bins.values():
         out.append(js[0] if len(js) == 1 else mxfp8_stack_job(js, device, check))
+    return out
+
+
+def _stack_nvfp4(jobs: list, inv: dict, dialect: str, opts, check: bool) -> list:
+    """NVFP4 group jobs of one layer group whose members have the same shapes and dtype (the
+    experts' gate/up pairs; their downs) merged into one stacked job each (jobs.nvfp4_stack_job);
+    a group alone (q/k/v, a dense gate/up) becomes a stacked job of one, so that its outputs,
+    input scales included, are all on the device. Every other job as it is."""
+    from qconvert.convert.jobs import nvfp4_stack_job
+
+    out, bins = [], {}
+    for j in jobs:
+        specs = tuple(inv[s] for s in j.sources)
+        if (
+            j.nvfp4 is not None
+            and all(len(shape) == 2 for _, shape in specs)
+            and len({(tag, shape[-1]) for tag, shape in specs}) == 1
+        ):
+            bins.setdefault((staging.group_key(j.sources[0]), specs), []).append(j)
+        else:
+            out.append(j)
+    for js in bins.values():
+        out.append(nvfp4_stack_job(js, dialect, opts, check))
     return out
 
 
