@@ -314,3 +314,13 @@ def test_a_native_build_that_fails_the_self_check_falls_back_to_the_baseline_bui
     assert "vector loops" in status
     assert verdict == "same"
     assert [p.name.endswith("-baseline.so") for p in (tmp_path / "cache").glob("*.so")] == [True]
+
+
+def test_a_native_build_with_a_wrong_4over6_loop_falls_back_to_the_baseline_build(tmp_path):
+    """The self-check covers the 4over6 AVX2 loop too: its error table decoded with 1535 instead of
+    1536 picks the other candidate on some blocks, and the -march=native build is rejected."""
+    if not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    status, verdict = _run_mutated(tmp_path, "_mm256_set1_ps(1536.0f)", "_mm256_set1_ps(1535.0f)")
+    assert status.startswith("compiled C, baseline ISA (") and "NVFP4 4over6" in status, status
+    assert verdict == "same"

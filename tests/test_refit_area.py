@@ -294,8 +294,12 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         Refitter(demo_moe, _opts(), "x", rank=2, world_size=2)
     with pytest.raises(QConvertError, match="staging name"):
         Refitter(demo_moe, _opts(), "../x")
-    with pytest.raises(RefitError, match="SGLang servers cannot read a refit staging area"):
-        Refitter(demo_moe, _opts(), "x", urls=["http://127.0.0.1:1"], engine="sglang")
+    # SGLang reads plain refit areas; pre-shuffled ones are refused by the value that says why
+    Refitter(demo_moe, _opts(), "x", urls=["http://127.0.0.1:1"], engine="sglang").close()
+    with pytest.raises(RefitError, match="refit area 'x' for SGLang servers: a pre-shuffled"):
+        Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang"), "x", urls=["u"], engine="sglang")
+    with pytest.raises(RefitError, match="refit area 'x' for SGLang servers: holds per-rank"):
+        Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang", tp=2), "x", urls=["u"], engine="sglang")
     with pytest.raises(RefitError, match="options.engine 'sglang' .* differs from the servers' engine 'vllm'"):
         Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang"), "x")
     r = Refitter(demo_moe, _opts(), "x")
@@ -555,3 +559,70 @@ def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
     assert by_name["s1"] is by_name["u"] is by_name["w9"]  # the small ones close the last aligned file
     spec = fs.AreaSpec({}, fs.DIGEST_XXH3, 2, 1, tuple(f for f, _ in packed))
     assert fs.parse_area(json.loads(json.dumps(spec.to_json()))) == spec
+
+
+def test_refitter_reloads_sglang_from_its_committed_slot(demo_moe, demo_moe_2, shm):
+    """``Refitter(..., engine="sglang").refit`` reloads SGLang as ``qconvert reload sglang`` of the
+    area does (docs/reload.md#sglang-disk-update): ``update_weights_from_disk`` of the committed slot's
+    directory (request bodies checked against SGLang's structs by the fake server), while the slot's
+    shared lock is held, until SGLang answers. A refit meanwhile writes the other slot; one that
+    needs the slot SGLang reads waits ``lock_wait_s`` and then refuses, committing nothing."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    opts = _opts(scheme="mxfp8")
+    area = shm / "sg"
+    seen = []
+
+    def update(body):  # runs inside the fake server while the client waits for the answer
+        slot = int(Path(body["model_path"]).name.split("-")[1])
+        assert body["model_path"] == str(fs.slot_dir(area, slot))
+        got = _tensors(Path(body["model_path"]))  # what SGLang's loader would read: the committed version
+        with pytest.raises(fs.StagingError, match=f"slot {slot}"):
+            fs.SlotLock(area, slot, shared=False, wait_s=0.05)
+        if not seen:  # first version (slot 0) being read: another trainer step lands in slot 1,
+            with Refitter(demo_moe, opts, "sg", lock_wait_s=0.3) as w:
+                assert w.refit(_stream(demo_moe_2)).area.slot == 1
+                with pytest.raises(QConvertError, match="slot 0 is held by a server reading it"):
+                    w.refit(_stream(demo_moe_2))  # the next needs slot 0: refused after 0.3 s
+            assert fs.read_area(area).version == 2
+        seen.append((slot, body["weight_version"], body["flush_cache"], got))
+
+    state: dict = {}
+    srv = FakeServer(sglang_routes(state, update))
+    try:
+        with Refitter(demo_moe, opts, "sg", urls=[srv.url], engine="sglang", lock_wait_s=0.3) as r:
+            res = r.refit(_stream(demo_moe))
+            assert [x.ok for x in res.reload] == [True]
+            fs.SlotLock(area, 0, shared=False, wait_s=0.05).release()  # SGLang answered: slot 0 free again
+            res = r.refit(_stream(demo_moe), weight_version="step-4")  # version 3 (2 came from the other writer)
+            assert res.area.version == 3 and res.area.slot == 0
+    finally:
+        srv.close()
+    assert [(s, v, f) for s, v, f, _ in seen] == [(0, "v1", True), (0, "step-4", True)]
+    assert state["mode"] == "retract" and not state["paused"]
+    want = _convert(demo_moe, shm.parent / "conv", opts)
+    for *_, got in seen:
+        _assert_same(want, got)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["preshuffled", "per-rank"])
+def test_sglang_reload_refuses_a_preshuffled_area_before_any_request(demo_moe, shm, tp):
+    """``qconvert reload sglang`` of a pre-shuffled refit area (made for vLLM) is refused up front,
+    naming why by the value ``Unreadable`` (docs/reload.md#sglang-quantized-reload): the server sees
+    no request, so it is never paused."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    from qconvert.client.sglang_client import Unreadable, area_unreadable, reload_sglang
+
+    with Refitter(demo_moe, _opts(scheme="mxfp8", layout="flashinfer-trtllm", engine="vllm", tp=tp), "ps") as r:
+        r.refit(_stream(demo_moe))
+    assert area_unreadable(shm / "ps") is (Unreadable.PER_RANK if tp == 2 else Unreadable.PRESHUFFLED)
+    srv = FakeServer(sglang_routes({}))
+    try:
+        with pytest.raises(QConvertError, match="holds per-rank" if tp == 2 else "pre-shuffled"):
+            reload_sglang([srv.url], "shm:ps", retries=0)
+        assert srv.calls == []
+    finally:
+        srv.close()

@@ -203,10 +203,11 @@ class Refitter:
         if engine not in ("vllm", "sglang"):
             raise RefitError(f"engine {engine!r}: use vllm or sglang")
         if engine == "sglang" and list(urls):
-            raise RefitError(
-                "SGLang servers cannot read a refit staging area (two slots, per-rank files) yet; "
-                "refit vLLM servers, or reload SGLang from a converted checkpoint (`qconvert reload sglang`)"
-            )
+            from qconvert.client.sglang_client import refusal, unreadable
+
+            why = unreadable(layout=bool(opts.layout), per_rank=bool(opts.layout) and (opts.tp, opts.ep) != (1, 1))
+            if why is not None:
+                raise RefitError(refusal(f"refit area {name!r} for SGLang servers", why))
         if opts.layout and opts.engine != engine:
             raise RefitError(
                 f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
@@ -598,7 +599,10 @@ class Refitter:
     def reload(self, weight_version: str | None = None) -> list:
         """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do). vLLM
         servers read the area where it is, through qconvert's worker extension (each rank its own
-        files; docs/reload.md#per-rank-files)."""
+        files; docs/reload.md#per-rank-files). SGLang servers get the committed slot's directory
+        through ``update_weights_from_disk``, by the same call as ``qconvert reload sglang`` of the
+        area, which holds that slot's shared lock until SGLang answers
+        (docs/reload.md#sglang-disk-update)."""
         self._check_open()
         if self.rank != 0 or not self.urls:
             return []
@@ -607,7 +611,9 @@ class Refitter:
             from qconvert.client.vllm_client import reload_vllm
 
             return reload_vllm(self.urls, str(self.area), pause=self.pause or "wait", **kw)
-        return []  # SGLang: refused when made with urls
+        from qconvert.client.sglang_client import reload_sglang
+
+        return reload_sglang(self.urls, str(self.area), pause=self.pause or "retract", **kw)
 
     def refit(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
