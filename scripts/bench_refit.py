@@ -4,7 +4,8 @@
 ``--stage``: trainer-side staging (``qconvert.refit.Refitter``) of GPU-resident BF16 weights of a
 Qwen3-30B-A3B-shaped model (``make_synthetic.py``'s names and shapes; the reference checkpoint is
 written as headers over sparse files, since only headers are read), for 4 and 8 layers, MXFP8,
-NVFP4 and pre-shuffled MXFP8: the first refit (area creation, mapping, CUDA registration) and the
+NVFP4 (W4A16, and W4A4 with unit input scales) and pre-shuffled MXFP8 and NVFP4 (``--variants``
+picks some): the first refit (area creation, mapping, CUDA registration) and the
 refits after it (stage + commit: quantize, device-to-host into the registered shared memory,
 xxh3_128 digests, commit.json), each beside the floor measured in the same run: a device-to-host
 copy of the same number of output bytes into the same registered mappings. Times are linear in
@@ -117,6 +118,8 @@ VARIANTS = {
     "mxfp8": dict(scheme="mxfp8"),
     "nvfp4": dict(scheme="nvfp4"),
     "mxfp8+trtllm": dict(scheme="mxfp8", layout="flashinfer-trtllm", engine="vllm"),
+    "nvfp4-w4a4": dict(scheme="nvfp4", input_mode="unit"),
+    "nvfp4+trtllm": dict(scheme="nvfp4", input_mode="unit", layout="flashinfer-trtllm", engine="vllm"),
 }
 
 

@@ -219,19 +219,19 @@ def test_whole_conversion_without_the_kernels_has_the_same_bytes_and_says_so(dem
     for name, state in (("c", None), ("chain", {"lib": None, "why": "disabled for this test"})):
         if state is not None:
             monkeypatch.setattr(cpu_kernels, "_state", state)
-        for scheme in ("mxfp8", "nvfp4"):
-            dst = tmp_path / f"{name}-{scheme}"
+        for scheme, recipe in (("mxfp8", "te"), ("nvfp4", "te"), ("nvfp4", "4over6")):
+            dst = tmp_path / f"{name}-{scheme}-{recipe}"
             res = convert(
                 str(demo_moe),
                 str(dst),
                 scheme,
-                ConvertOptions(scheme=scheme, plan=PlanOptions(scheme=scheme), progress=False),
+                ConvertOptions(scheme=scheme, recipe=recipe, plan=PlanOptions(scheme=scheme), progress=False),
             )
             digests.append(json.loads((dst / "qconvert.json").read_text())["outputs"]["sha256"])
             notes.append(" ".join(res.notes))
-    assert digests[0] == digests[2] and digests[1] == digests[3]
+    assert digests[:3] == digests[3:] and digests[1] != digests[2]
     assert "torch op chains" not in notes[0]
-    assert "not the C kernels (disabled for this test)" in notes[2] and "not the C kernels" in notes[3]
+    assert "not the C kernels (disabled for this test)" in notes[3] and "not the C kernels" in notes[4]
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -314,3 +314,13 @@ def test_a_native_build_that_fails_the_self_check_falls_back_to_the_baseline_bui
     assert "vector loops" in status
     assert verdict == "same"
     assert [p.name.endswith("-baseline.so") for p in (tmp_path / "cache").glob("*.so")] == [True]
+
+
+def test_a_native_build_with_a_wrong_4over6_loop_falls_back_to_the_baseline_build(tmp_path):
+    """The self-check covers the 4over6 AVX2 loop too: its error table decoded with 1535 instead of
+    1536 picks the other candidate on some blocks, and the -march=native build is rejected."""
+    if not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    status, verdict = _run_mutated(tmp_path, "_mm256_set1_ps(1536.0f)", "_mm256_set1_ps(1535.0f)")
+    assert status.startswith("compiled C, baseline ISA (") and "NVFP4 4over6" in status, status
+    assert verdict == "same"

@@ -294,8 +294,12 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         Refitter(demo_moe, _opts(), "x", rank=2, world_size=2)
     with pytest.raises(QConvertError, match="staging name"):
         Refitter(demo_moe, _opts(), "../x")
-    with pytest.raises(RefitError, match="SGLang servers cannot read a refit staging area"):
-        Refitter(demo_moe, _opts(), "x", urls=["http://127.0.0.1:1"], engine="sglang")
+    # SGLang reads plain refit areas; pre-shuffled ones are refused by the value that says why
+    Refitter(demo_moe, _opts(), "x", urls=["http://127.0.0.1:1"], engine="sglang").close()
+    with pytest.raises(RefitError, match="refit area 'x' for SGLang servers: a pre-shuffled"):
+        Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang"), "x", urls=["u"], engine="sglang")
+    with pytest.raises(RefitError, match="refit area 'x' for SGLang servers: holds per-rank"):
+        Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang", tp=2), "x", urls=["u"], engine="sglang")
     with pytest.raises(RefitError, match="options.engine 'sglang' .* differs from the servers' engine 'vllm'"):
         Refitter(demo_moe, _opts(layout="flashinfer-trtllm", engine="sglang"), "x")
     r = Refitter(demo_moe, _opts(), "x")
@@ -306,24 +310,68 @@ def test_refitter_lifecycle_errors(demo_moe, shm):
         r.stage([])
 
 
-@pytest.mark.parametrize(
-    "scheme,extra",
-    [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})],
-    ids=["mxfp8", "nvfp4", "mxfp8-trtllm-tp2"],
-)
-def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, scheme, extra):
-    """The CUDA path's batched NaN/Inf check and coalesced copies, run on CPU: same bytes, and
-    the same refusal as the converter's jobs (naming the tensor); huge finite values pass."""
+_TRT = {"layout": "flashinfer-trtllm"}
+_W4A4 = {"input_mode": "unit"}
+BATCHED_CASES = {
+    "mxfp8": ("mxfp8", {}),
+    "nvfp4-ct-w4a16": ("nvfp4", {}),
+    "nvfp4-ct-w4a4": ("nvfp4", _W4A4),
+    "nvfp4-modelopt-w4a4": ("nvfp4", {"dialect": "modelopt", **_W4A4}),
+    "nvfp4-modelopt-recipe-w4a16": ("nvfp4", {"dialect": "modelopt", "recipe": "modelopt"}),
+    "nvfp4-4over6": ("nvfp4", {"recipe": "4over6"}),
+    "mxfp8-trtllm-tp2": ("mxfp8", {**_TRT, "tp": 2}),
+    "nvfp4-trtllm-tp1": ("nvfp4", {**_TRT, **_W4A4}),
+    "nvfp4-trtllm-tp2": ("nvfp4", {**_TRT, **_W4A4, "tp": 2}),
+    "nvfp4-trtllm-ep2": ("nvfp4", {**_TRT, **_W4A4, "ep": 2}),
+    "nvfp4-ct-copied": ("nvfp4", {"input_mode": "copied"}),
+    "nvfp4-modelopt-copied": ("nvfp4", {"dialect": "modelopt", "input_mode": "copied"}),
+    "nvfp4-trtllm-copied-ep2": ("nvfp4", {**_TRT, "input_mode": "copied", "ep": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def input_scales_ckpt(demo_moe, tmp_path_factory):
+    """An NVFP4 W4A4 checkpoint of the demo model whose input scales all differ (calibrated-like),
+    for ``input_mode="copied"``: a stacked job that put one module's scale on another would show."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("scales") / "w4a4"
+    convert(str(demo_moe), d, opts=_opts(scheme="nvfp4", dialect="modelopt", input_mode="unit"))
+    g = torch.Generator().manual_seed(7)
+    for f in sorted(d.glob("*.safetensors")):
+        t = load_file(f)
+        for n in t:
+            if n.endswith(".input_scale"):
+                t[n] = (torch.rand((), generator=g) * 4 + 0.01).float()
+        save_file(t, f)
+    return d
+
+
+def _with_scales(extra: dict, request) -> dict:
+    if extra.get("input_mode") == "copied":
+        return {**extra, "input_scales_from": str(request.getfixturevalue("input_scales_ckpt"))}
+    return extra
+
+
+@pytest.mark.parametrize("scheme,extra", list(BATCHED_CASES.values()), ids=list(BATCHED_CASES))
+def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, request, scheme, extra):
+    """The CUDA path's batched NaN/Inf check, stacked quantization (a layer's experts in one call
+    per tensor kind: MXFP8, NVFP4 with its per-group global scales, W4A4 and W4A16, plain and
+    pre-shuffled) and coalesced copies, run on CPU: the bytes of the converter's per-tensor jobs,
+    and the same refusal (naming the tensor); huge finite values pass."""
     from qconvert.convert import jobs
 
     monkeypatch.setattr(Refitter, "_BATCHED", True)
-    opts = _opts(scheme=scheme, **({"input_mode": "unit"} if scheme == "nvfp4" and extra else {}), **extra)
+    extra = _with_scales(extra, request)
+    opts = _opts(scheme=scheme, **extra)
     want = _convert(demo_moe, tmp_path / "c", opts)  # the per-tensor jobs
-    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})  # stacked MXFP8 quantization
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})  # stacked quantization
     with Refitter(demo_moe, opts, "b") as r:
         assert r._check_group
-        if scheme == "mxfp8" and not extra:
-            assert any(len(j.sources) > 8 for js in r._group_jobs.values() for j in js)  # experts stacked
+        if not extra.get("layout"):  # experts stacked: gate/up pairs, downs
+            assert any(len(j.sources) > 8 for js in r._group_jobs.values() for j in js)
+            if scheme == "nvfp4":  # every NVFP4 group went into a stacked job (all outputs on the device)
+                assert not [j for js in r._group_jobs.values() for j in js if j.nvfp4 is not None]
         _assert_same(want, _tensors(r.refit(_stream(demo_moe)).area.path))
         items = list(_stream(demo_moe))
         name = next(n for n, _ in items if ".experts.3.up_proj" in n)
@@ -346,16 +394,53 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, sch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    "scheme,extra", [("mxfp8", {}), ("nvfp4", {}), ("mxfp8", {"layout": "flashinfer-trtllm", "tp": 2})]
-)
-def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, scheme, extra):
+@pytest.mark.parametrize("scheme,extra", list(BATCHED_CASES.values()), ids=list(BATCHED_CASES))
+def test_cuda_refit_equals_converter(demo_moe, demo_moe_2, shm, tmp_path, request, scheme, extra):
+    extra = _with_scales(extra, request)
     opts = _opts(scheme=scheme, **extra)
     want = _convert(demo_moe_2, tmp_path / "c", opts)
     with Refitter(demo_moe, _opts(scheme=scheme, device="cuda", **extra), "gpu") as r:
         r.refit((n, t.cuda()) for n, t in _stream(demo_moe))
         got = r.refit((n, t.cuda()) for n, t in _stream(demo_moe_2)).area
         _assert_same(want, _tensors(got.path))
+
+
+SYNC_CASES = ["mxfp8", "nvfp4-ct-w4a4", "nvfp4-modelopt-w4a4", "mxfp8-trtllm-tp2", "nvfp4-trtllm-ep2"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("check", [False, True], ids=["allow-non-finite", "checked"])
+@pytest.mark.parametrize("case", SYNC_CASES)
+def test_cuda_refit_host_syncs_per_group(demo_moe, shm, case, check):
+    """A refit after the first on CUDA: no host sync per tensor. PyTorch's sync debug mode reports
+    every operation that waits for the device implicitly (.item(), .cpu(), a blocking copy); the
+    only one allowed is the batched NaN/Inf check, one per layer group (none with
+    allow_non_finite). The copier's wait for the previous group's copies (an event) is the
+    pipeline's one intended wait and not counted, should this torch report it."""
+    import linecache
+    import warnings
+
+    scheme, extra = BATCHED_CASES[case]
+    opts = _opts(scheme=scheme, device="cuda", allow_non_finite=not check, **extra)
+    items = [(n, t.cuda()) for n, t in _stream(demo_moe)]
+    with Refitter(demo_moe, opts, "sync") as r:
+        r.refit(items)  # the first: area made, mapped, registered
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                r.stage(items)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        r.commit()
+        syncs = [
+            f"{w.filename}:{w.lineno}"
+            for w in seen
+            if "synchronizing" in str(w.message)
+            and not (w.filename.endswith("refit.py") and ".synchronize()" in linecache.getline(w.filename, w.lineno))
+        ]
+        assert len(syncs) <= (len(r._keys) if check else 0), syncs[:10]
 
 
 def test_engine_side_loader_reads_what_the_refitter_wrote(demo_moe, demo_moe_2, shm, tmp_path):
@@ -409,19 +494,21 @@ def test_device_encode_global_scale_is_numpy_fp32_division(recipe):
         assert np.float32(want).tobytes() == got.numpy().tobytes(), (g, want, got)
 
 
+@pytest.mark.parametrize("proj", ["down_proj", "up_proj"])
 @pytest.mark.parametrize("layout", [None, "flashinfer-trtllm"])
-def test_stacked_mxfp8_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monkeypatch, layout):
-    """The stacked MXFP8 quantization (one launch per projection of a layer, the GPU path), run on
-    CPU: a NaN in one expert is refused naming that tensor, by the converter's layout job and by
-    the Refitter's stacked jobs with their own check."""
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_stacked_names_the_non_finite_tensor(demo_moe, shm, tmp_path, monkeypatch, scheme, layout, proj):
+    """The stacked quantization (one launch per projection of a layer, the GPU path), run on CPU:
+    a NaN in one expert is refused naming that tensor, by the converter's layout job and by the
+    Refitter's stacked jobs with their own check."""
     from qconvert.convert import jobs
 
     monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})
     items = list(_stream(demo_moe))
-    bad = next(n for n, _ in items if ".layers.1.mlp.experts.5.down_proj" in n)
+    bad = next(n for n, _ in items if f".layers.1.mlp.experts.5.{proj}" in n)
     poisoned = [(n, t.clone().index_fill_(0, torch.tensor([0]), float("nan")) if n == bad else t) for n, t in items]
     want = f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite"
-    opts = _opts(scheme="mxfp8", layout=layout)
+    opts = _opts(scheme=scheme, layout=layout, **(_W4A4 if scheme == "nvfp4" and layout else {}))
     with Refitter(demo_moe, opts, "s") as r:
         assert not r._check_group
         with pytest.raises(QConvertError) as e:
@@ -472,3 +559,70 @@ def test_pack_v2_parts_and_alignment(monkeypatch, tmp_path):
     assert by_name["s1"] is by_name["u"] is by_name["w9"]  # the small ones close the last aligned file
     spec = fs.AreaSpec({}, fs.DIGEST_XXH3, 2, 1, tuple(f for f, _ in packed))
     assert fs.parse_area(json.loads(json.dumps(spec.to_json()))) == spec
+
+
+def test_refitter_reloads_sglang_from_its_committed_slot(demo_moe, demo_moe_2, shm):
+    """``Refitter(..., engine="sglang").refit`` reloads SGLang as ``qconvert reload sglang`` of the
+    area does (docs/reload.md#sglang-disk-update): ``update_weights_from_disk`` of the committed slot's
+    directory (request bodies checked against SGLang's structs by the fake server), while the slot's
+    shared lock is held, until SGLang answers. A refit meanwhile writes the other slot; one that
+    needs the slot SGLang reads waits ``lock_wait_s`` and then refuses, committing nothing."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    opts = _opts(scheme="mxfp8")
+    area = shm / "sg"
+    seen = []
+
+    def update(body):  # runs inside the fake server while the client waits for the answer
+        slot = int(Path(body["model_path"]).name.split("-")[1])
+        assert body["model_path"] == str(fs.slot_dir(area, slot))
+        got = _tensors(Path(body["model_path"]))  # what SGLang's loader would read: the committed version
+        with pytest.raises(fs.StagingError, match=f"slot {slot}"):
+            fs.SlotLock(area, slot, shared=False, wait_s=0.05)
+        if not seen:  # first version (slot 0) being read: another trainer step lands in slot 1,
+            with Refitter(demo_moe, opts, "sg", lock_wait_s=0.3) as w:
+                assert w.refit(_stream(demo_moe_2)).area.slot == 1
+                with pytest.raises(QConvertError, match="slot 0 is held by a server reading it"):
+                    w.refit(_stream(demo_moe_2))  # the next needs slot 0: refused after 0.3 s
+            assert fs.read_area(area).version == 2
+        seen.append((slot, body["weight_version"], body["flush_cache"], got))
+
+    state: dict = {}
+    srv = FakeServer(sglang_routes(state, update))
+    try:
+        with Refitter(demo_moe, opts, "sg", urls=[srv.url], engine="sglang", lock_wait_s=0.3) as r:
+            res = r.refit(_stream(demo_moe))
+            assert [x.ok for x in res.reload] == [True]
+            fs.SlotLock(area, 0, shared=False, wait_s=0.05).release()  # SGLang answered: slot 0 free again
+            res = r.refit(_stream(demo_moe), weight_version="step-4")  # version 3 (2 came from the other writer)
+            assert res.area.version == 3 and res.area.slot == 0
+    finally:
+        srv.close()
+    assert [(s, v, f) for s, v, f, _ in seen] == [(0, "v1", True), (0, "step-4", True)]
+    assert state["mode"] == "retract" and not state["paused"]
+    want = _convert(demo_moe, shm.parent / "conv", opts)
+    for *_, got in seen:
+        _assert_same(want, got)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["preshuffled", "per-rank"])
+def test_sglang_reload_refuses_a_preshuffled_area_before_any_request(demo_moe, shm, tp):
+    """``qconvert reload sglang`` of a pre-shuffled refit area (made for vLLM) is refused up front,
+    naming why by the value ``Unreadable`` (docs/reload.md#sglang-quantized-reload): the server sees
+    no request, so it is never paused."""
+    from test_reload_clients import FakeServer
+    from test_sglang_client import sglang_routes
+
+    from qconvert.client.sglang_client import Unreadable, area_unreadable, reload_sglang
+
+    with Refitter(demo_moe, _opts(scheme="mxfp8", layout="flashinfer-trtllm", engine="vllm", tp=tp), "ps") as r:
+        r.refit(_stream(demo_moe))
+    assert area_unreadable(shm / "ps") is (Unreadable.PER_RANK if tp == 2 else Unreadable.PRESHUFFLED)
+    srv = FakeServer(sglang_routes({}))
+    try:
+        with pytest.raises(QConvertError, match="holds per-rank" if tp == 2 else "pre-shuffled"):
+            reload_sglang([srv.url], "shm:ps", retries=0)
+        assert srv.calls == []
+    finally:
+        srv.close()

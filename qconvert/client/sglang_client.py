@@ -18,7 +18,11 @@ it is available, else the fields in docs/reload.md#sglang-endpoints).
   ``/model_info`` before the attempt, then continues generation.
 * ``--via shm`` works as for vLLM: SGLang's ``DefaultModelLoader`` reads the staging area's
   safetensors shards like any checkpoint directory.
-* Pre-shuffled (kernel-layout) checkpoints are not supported: ``update_weights_from_disk`` runs
+* A refit's staging area (version 2, ``shm:NAME``, its path, or ``Refitter(..., engine="sglang")``)
+  is sent as its committed slot's directory while this client holds that slot's shared lock, from
+  before ``update_weights_from_disk`` until SGLang answers it, so no refit overwrites the files SGLang
+  reads (docs/reload.md#sglang-disk-update).
+* Pre-shuffled (kernel-layout) checkpoints are not supported (:class:`Unreadable`): ``update_weights_from_disk`` runs
   ``model.load_weights`` and then ``process_weights_after_loading`` on checkpoint-format tensors;
   the only path that skips that processing (``update_weights_from_tensor`` with
   ``load_format="direct"``) still re-runs it at ``end_weight_update``, which would shuffle
@@ -30,6 +34,7 @@ it is available, else the fields in docs/reload.md#sglang-endpoints).
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -47,6 +52,47 @@ SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 PAUSE_MODES = ("abort", "retract", "in_place")
 VERIFY_PROMPT = "The capital of France is"
 VERIFY_TOKENS = 12
+
+
+class Unreadable(enum.Enum):
+    """Why SGLang cannot hot-reload a checkpoint or staging area, decided from values
+    (:func:`unreadable`); the one-line refusal is rendered from it (:func:`refusal`)."""
+
+    PRESHUFFLED = "preshuffled"  # kernel-layout experts: docs/reload.md#sglang-quantized-reload
+    PER_RANK = "per-rank"  # per-rank files: every SGLang rank reads all files (docs/reload.md#sglang-disk-update)
+
+
+def unreadable(*, layout: bool, per_rank: bool) -> Unreadable | None:
+    """None when SGLang can read it; else why not (per-rank files are pre-shuffled too: named first)."""
+    if per_rank:
+        return Unreadable.PER_RANK
+    if layout:
+        return Unreadable.PRESHUFFLED
+    return None
+
+
+def refusal(what: str, why: Unreadable) -> str:
+    """The one line naming ``what`` (a checkpoint, area or refit), why SGLang cannot load it, and the fix."""
+    if why is Unreadable.PER_RANK:
+        return (
+            f"{what}: holds per-rank (pre-shuffled) files, which SGLang cannot load (every SGLang rank "
+            "reads all files and re-runs weight processing); convert or refit without a layout for SGLang"
+        )
+    return (
+        f"{what}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into SGLang (its update "
+        "paths re-run weight processing); reload the plain checkpoint, or refit without a layout for SGLang"
+    )
+
+
+def area_unreadable(path: str | os.PathLike) -> Unreadable | None:
+    """:func:`unreadable` for a checkpoint directory or staging area (either version): its manifest's
+    kernel layout, and for an area whether any file is per-rank (``area.json`` / the v1 manifest are
+    written once, so the answer holds for every version of the area)."""
+    from qconvert.formats import staging as fmt
+
+    p = Path(path)
+    per_rank = fmt.is_area(p) and any(f.rank is not None for f in fmt.read_area(p).files)
+    return unreadable(layout=read_layout(p) is not None, per_rank=per_rank)
 
 
 class SglangClient(ServerClient):
@@ -138,12 +184,7 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
         from qconvert.formats import staging as fmt
 
         if os.path.lexists(Path(path) / fmt.AREA_JSON):  # a version 2 area (a refit's): its committed slot,
-            with fmt.committed(Path(path)) as view:  # which no refit overwrites while SGLang reads it
-                if any(f.rank is not None for f in view.files):
-                    raise ReloadError(
-                        f"{client.url}: {path} holds per-rank (pre-shuffled) files, which SGLang "
-                        "cannot load; refit without a layout for SGLang"
-                    )
+            with fmt.committed(Path(path)) as view:  # which no refit overwrites until SGLang has answered
                 out = client.update_weights_from_disk(str(view.directory), flush_cache=flush, weight_version=version)
         else:
             out = client.update_weights_from_disk(path, flush_cache=flush, weight_version=version)
@@ -196,11 +237,9 @@ def reload_sglang(
         ckpt, via, stage_name, stage_checkpoint, lambda name: open_area(name, verify_data=verify)
     )
     try:
-        if read_layout(Path(path)) is not None:
-            raise QConvertError(
-                f"{ckpt}: a pre-shuffled (kernel-layout) checkpoint cannot be hot-reloaded into "
-                "SGLang (its update paths re-run weight processing); reload the plain checkpoint"
-            )
+        why = area_unreadable(path)
+        if why is not None:
+            raise QConvertError(refusal(str(ckpt), why))
         version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
         flush = pause != "in_place"
         results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))

@@ -448,8 +448,11 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     root, rev = resolve_source(src, allow_download)
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
+    from . import mxfp4_source
     from .fp8_source import declaration
 
+    # an MXFP4 source (gpt-oss): bad tensors named, then refused (docs/formats.md#mxfp4-sources)
+    mxfp4_source.check(config, {n: (e.dtype, e.shape) for n, e in ck.tensors.items()}, ck.root / CONFIG_NAME)
     declaration(
         config, ck.root / CONFIG_NAME
     )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import OutputError
+from ..formats.exclusions import MODULES_TO_NOT_CONVERT
 from .checkpoint import INDEX_NAME
 from .safetensors_io import ShardWriter
 
@@ -239,6 +240,106 @@ def build_demo_model(
         "`qconvert demo` for tests and examples. Its outputs are meaningless.\n"
     )
     write_sharded(dst, demo_tensors(config, seed), n_shards)
+    return dst
+
+
+GPT_OSS_MXFP4 = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        MODULES_TO_NOT_CONVERT: [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+}
+
+
+def gpt_oss_mxfp4_tensors(config: dict, seed: int = 0, exponents: tuple[int, int] = (-10, -4)) -> dict:
+    """A gpt-oss-shaped MXFP4 checkpoint's tensors (HF names): BF16 attention with biases and sinks,
+    router, and per layer the fused experts as ``*_blocks`` [E, N, K/32, 16] / ``*_scales`` [E, N, K/32]
+    uint8 (random nibbles, E8M0 exponents drawn from ``exponents``) with BF16 ``*_bias``."""
+    g = torch.Generator().manual_seed(seed)
+    h, v, inter, ne = (
+        config["hidden_size"],
+        config["vocab_size"],
+        config["intermediate_size"],
+        config["num_local_experts"],
+    )
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+    def lin(n, k):
+        return (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+
+    def vec(n, scale=0.02):
+        return (torch.randn(n, generator=g) * scale).to(torch.bfloat16)
+
+    def mx(rows, k):
+        blocks = torch.randint(0, 256, (ne, rows, k // 32, 16), generator=g, dtype=torch.uint8)
+        lo, hi = exponents
+        scales = torch.randint(127 + lo, 128 + hi, (ne, rows, k // 32), generator=g).to(torch.uint8)
+        return blocks, scales
+
+    t = {"model.embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (1.0 + vec(h, 0.1).float()).to(torch.bfloat16)
+        t[p + "post_attention_layernorm.weight"] = (1.0 + vec(h, 0.1).float()).to(torch.bfloat16)
+        for n, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            t[p + f"self_attn.{n}_proj.weight"] = lin(rows, h)
+            t[p + f"self_attn.{n}_proj.bias"] = vec(rows)
+        t[p + "self_attn.o_proj.weight"] = lin(h, nh * hd)
+        t[p + "self_attn.o_proj.bias"] = vec(h)
+        t[p + "self_attn.sinks"] = vec(nh, 1.0)
+        t[p + "mlp.router.weight"] = lin(ne, h)
+        t[p + "mlp.router.bias"] = vec(ne)
+        q = p + "mlp.experts."
+        t[q + "gate_up_proj_blocks"], t[q + "gate_up_proj_scales"] = mx(2 * inter, h)
+        t[q + "gate_up_proj_bias"] = vec(2 * inter).expand(ne, -1).contiguous()
+        t[q + "down_proj_blocks"], t[q + "down_proj_scales"] = mx(h, inter)
+        t[q + "down_proj_bias"] = vec(h).expand(ne, -1).contiguous()
+    t["model.norm.weight"] = (1.0 + vec(h, 0.1).float()).to(torch.bfloat16)
+    t["lm_head.weight"] = lin(v, h)
+    return t
+
+
+def build_gpt_oss_mxfp4(dst: str | Path, seed: int = 0, mutate=None, n_shards: int = 2, **kw) -> Path:
+    """The tiny gpt-oss-shaped MXFP4 checkpoint at ``dst`` (offline, deterministic): what gpt-oss
+    ships (docs/formats.md#mxfp4-sources), for tests. ``mutate(config, tensors)`` edits both before
+    they are written (bad-input tests); ``kw`` goes to :func:`gpt_oss_mxfp4_tensors`."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise OutputError(f"{dst}: already exists and is not empty; choose another directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    eos = _tokenizer_files(dst)
+    config = json.loads(json.dumps({**GPT_OSS_MXFP4, "bos_token_id": eos, "eos_token_id": eos}))
+    tensors = gpt_oss_mxfp4_tensors(config, seed, **kw)
+    if mutate is not None:
+        mutate(config, tensors)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    write_sharded(dst, tensors, n_shards)
     return dst
 
 

@@ -42,6 +42,18 @@ class Job:
     device_input: bool = False  # the reader thread moves its sources to opts.device (CUDA overlap)
     #: the per-expert jobs a job reading fused expert tensors runs (fused.merge_jobs); None otherwise
     parts: list | None = None
+    #: an NVFP4 group job's outputs per member (nvfp4_group_job), for nvfp4_stack_job; None otherwise
+    nvfp4: Nvfp4Parts | None = None
+
+
+@dataclass(frozen=True)
+class Nvfp4Parts:
+    """What an NVFP4 group job (:func:`nvfp4_group_job`) writes for each member: its outputs
+    (packed, block scale, global scale[, input scale]) and the input-scale tensor, which does not
+    depend on the weights."""
+
+    outs: dict[str, list]  # member source name -> its OutTensors
+    input_scale: dict[str, torch.Tensor]  # member source name -> its input-scale output (CPU)
 
 
 @dataclass
@@ -116,6 +128,70 @@ def quantize_mxfp8_stacked(names: list[str], xs: list[torch.Tensor], check: bool
     return q, s
 
 
+def quantize_nvfp4_stacked(
+    names: list[str], xs: list[torch.Tensor], per_group: int, check: bool, recipe: str, stacked_fn
+):
+    """:func:`quantize_nvfp4_group` of ``len(xs) / per_group`` fused groups, each ``per_group``
+    consecutive members (2-D tensors of one K and dtype, on one device), in one call: each group's
+    members concatenated along rows, the groups stacked ``[G, R, K]`` and quantized by
+    ``nvfp4_quantize_stacked`` with the group amaxes (the max of the members' ``max|x|``, NaN
+    propagating). Returns ``(packed [G, R, K/2], block scale [G, R, K/16], scale_2 [G], g [G])``.
+    With ``check``, one host sync for all, naming the first member holding NaN/Inf."""
+    from .numerics.nvfp4 import nvfp4_quantize_stacked
+
+    k = xs[0].shape[-1]
+    x = torch.cat(xs).view(len(xs) // per_group, -1, k)  # one copy: members back to back, group by group
+    if x.device.type == "cpu" or len({tuple(t.shape) for t in xs}) > 1:
+        amax = torch.stack([kernels.abs_max(t).float() for t in xs])
+    else:  # one reduction over the stack, no |x| copy
+        lo, hi = torch.aminmax(x.view(len(xs), -1), dim=1)
+        amax = torch.maximum(lo.abs(), hi.abs()).float()
+    if check:
+        bad = ~torch.isfinite(amax)
+        if bool(bad.any()):
+            raise non_finite_error(names[int(bad.nonzero()[0, 0])])
+    g = amax.view(-1, per_group).amax(dim=1)
+    packed, scale, scale_2 = nvfp4_quantize_stacked(x, g, recipe, kernels.workers(), stacked_fn)
+    return packed, scale, scale_2, g
+
+
+def nvfp4_stack_job(jobs: list[Job], dialect: str, opts: ConvertOptions, check: bool) -> Job:
+    """One job for NVFP4 group jobs (:func:`nvfp4_group_job`) whose members have the same shapes
+    and dtype, in the same order, with one K (a layer's experts: the gate/up pairs, or the downs;
+    or a single group), quantized as a stack (:func:`quantize_nvfp4_stacked`); each output is what
+    its own job gives, byte for byte. Every output is on ``opts.device``, the input scales too
+    (copied there once, here), so that a refit copies a group's outputs back as one run."""
+    device = opts.device
+    stacked_fn = kernels.stacked_blocks_fn("nvfp4", device)
+    names = [n for j in jobs for n in j.sources]
+    per_group = len(jobs[0].sources)
+    rows = [jobs[0].nvfp4.outs[n][0].shape[0] for n in jobs[0].sources]
+    starts = [sum(rows[:m]) for m in range(per_group + 1)]
+    const_of = {n: i for i, n in enumerate(n for j in jobs for n in j.sources if n in j.nvfp4.input_scale)}
+    consts = (
+        torch.cat([j.nvfp4.input_scale[n].reshape(1) for j in jobs for n in j.sources if n in const_of]).to(device)
+        if const_of
+        else None
+    )
+
+    def fn(src):
+        xs = [src[n].to(device, non_blocking=True) if device != "cpu" else src[n] for n in names]
+        packed, scale, scale_2, g = quantize_nvfp4_stacked(names, xs, per_group, check, opts.recipe, stacked_fn)
+        enc = encode_global_scale_tensor(g, opts.recipe) if dialect != "modelopt" else None
+        result = {}
+        for i, j in enumerate(jobs):
+            for m, n in enumerate(j.sources):
+                outs = j.nvfp4.outs[n]
+                result[outs[0].name] = packed[i, starts[m] : starts[m + 1]]
+                result[outs[1].name] = scale[i, starts[m] : starts[m + 1]]
+                result[outs[2].name] = scale_2[i] if dialect == "modelopt" else enc[i : i + 1]
+                if len(outs) > 3:
+                    result[outs[3].name] = consts[const_of[n]].reshape(outs[3].shape)
+        return result
+
+    return Job(names, [o for j in jobs for o in j.outputs], fn, "nvfp4", device_input=device != "cpu")
+
+
 def mxfp8_stack_job(jobs: list[Job], device: str, check: bool) -> Job:
     """One job for plain MXFP8 jobs (:func:`mxfp8_job`) whose sources share a shape, quantized as a
     stack (:func:`quantize_mxfp8_stacked`); each output is what its own job gives, byte for byte."""
@@ -164,13 +240,18 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
     device = opts.device
     blocks_fn = kernels.blocks_fn("nvfp4", device)
 
+    inputs = {}  # the input-scale outputs: decode convention (modelopt) or its reciprocal
+    for n, outs in outs_of.items():
+        if len(outs) > 3:
+            dec = input_scales[n[: -len(".weight")]] if input_scales is not None else torch.tensor(1.0)
+            inputs[n] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
+
     def fn(src):
         xs = {n: (src[n].to(device, non_blocking=True) if device != "cpu" else src[n]) for n in outs_of}
         g, quantized = quantize_nvfp4_group(xs, check, opts.recipe, blocks_fn)
         result = {}
         for n, (packed, scale, scale_2) in quantized.items():
             outs = outs_of[n]
-            mod = n[: -len(".weight")]
             result[outs[0].name] = packed  # the writer thread copies device tensors back
             result[outs[1].name] = scale
             if dialect == "modelopt":
@@ -181,8 +262,7 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
                 # encode convention: S_enc = 2688/g (1536/g for 4over6), fp32, clamped at FLT_MAX
                 result[outs[2].name] = torch.tensor([encode_global_scale(g, opts.recipe)], dtype=torch.float32)
             if len(outs) > 3:
-                dec = input_scales[mod] if input_scales is not None else torch.tensor(1.0)
-                result[outs[3].name] = dec.reshape(()) if dialect == "modelopt" else (1.0 / dec).reshape(1)
+                result[outs[3].name] = inputs[n]
         return result
 
     return Job(
@@ -191,6 +271,7 @@ def nvfp4_group_job(members, dialect: str, opts: ConvertOptions, input_scales: d
         fn,
         "nvfp4",
         device_input=device != "cpu",
+        nvfp4=Nvfp4Parts(outs_of, inputs),
     )
 
 
@@ -385,6 +466,21 @@ def moe_layer_job(
         else set()
     )
 
+    stacked_fn = kernels.stacked_blocks_fn(scheme, device) if scheme == "nvfp4" else None
+    a13_all = a2_all = None
+    if scheme == "nvfp4":  # the activation scales (decode convention), on the job's device once
+        if input_scales is not None:
+            a13_all = torch.stack(
+                [
+                    torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")])
+                    for e in range(n_exp)
+                ]
+            )
+            a2_all = torch.stack([input_scales[experts[e]["down_proj"].module] for e in range(n_exp)])
+        else:
+            a13_all, a2_all = torch.ones(n_exp, 2), torch.ones(n_exp)
+        a13_all, a2_all = a13_all.to(device), a2_all.to(device)
+
     def get(src, e, p):
         x = src[experts[e][p].name]
         return x.to(device, non_blocking=True) if device != "cpu" else x
@@ -431,6 +527,25 @@ def moe_layer_job(
                 "w2_weight": torch.stack([q[e, "down_proj"][0] for e in es]),
                 "w2_weight_scale": torch.stack([q[e, "down_proj"][1] for e in es]),
             }
+        if device in STACKED_DEVICES:  # one launch per projection kind, not per expert
+            n13 = [experts[e][p].name for e in es for p in ("gate_proj", "up_proj")]
+            p13, s13, ws13, _ = quantize_nvfp4_stacked(
+                n13, [src[n].to(device, non_blocking=True) for n in n13], 2, check, opts.recipe, stacked_fn
+            )  # gate and up of each expert share one global scale: one group, gate's rows first
+            n2 = [experts[e]["down_proj"].name for e in es]
+            p2, s2, ws2, _ = quantize_nvfp4_stacked(
+                n2, [src[n].to(device, non_blocking=True) for n in n2], 1, check, opts.recipe, stacked_fn
+            )
+            return {
+                "w13_weight": p13,
+                "w13_weight_scale": s13,
+                "w13_weight_scale_2": torch.stack([ws13, ws13], dim=1),
+                "w2_weight": p2,
+                "w2_weight_scale": s2,
+                "w2_weight_scale_2": ws2,
+                "w13_input_scale": a13_all[es.start : es.stop],
+                "w2_input_scale": a2_all[es.start : es.stop],
+            }
         p13, s13, ws13, p2, s2, ws2 = [], [], [], [], [], []
         for e in es:  # gate and up of each expert share one global scale
             gate, up, down = (experts[e][p].name for p in ("gate_proj", "up_proj", "down_proj"))
@@ -442,24 +557,16 @@ def moe_layer_job(
             ws13.append(qgu[gate][2])
             _, qd = quantize_nvfp4_group({down: get(src, e, "down_proj")}, check, opts.recipe, blocks_fn)
             p2.append(qd[down][0]), s2.append(qd[down][1]), ws2.append(qd[down][2])
-        ws13_t = torch.stack(ws13)
-        if input_scales is not None:
-            a13 = torch.stack(
-                [torch.stack([input_scales[experts[e][p].module] for p in ("gate_proj", "up_proj")]) for e in es]
-            )
-            a2 = torch.stack([input_scales[experts[e]["down_proj"].module] for e in es])
-        else:
-            a13, a2 = torch.ones(len(es), 2), torch.ones(len(es))
-        dev = p13[0].device
+        ws13_t = torch.stack(ws13).to(device)  # 0-dim fp32 on the CPU where the C kernels ran
         return {
             "w13_weight": torch.stack(p13),
             "w13_weight_scale": torch.stack(s13),
             "w13_weight_scale_2": torch.stack([ws13_t, ws13_t], dim=1),
             "w2_weight": torch.stack(p2),
             "w2_weight_scale": torch.stack(s2),
-            "w2_weight_scale_2": torch.stack(ws2),
-            "w13_input_scale": a13.to(dev),
-            "w2_input_scale": a2.to(dev),
+            "w2_weight_scale_2": torch.stack(ws2).to(device),
+            "w13_input_scale": a13_all[es.start : es.stop],
+            "w2_input_scale": a2_all[es.start : es.stop],
         }
 
     def fn(src):
@@ -485,7 +592,9 @@ def moe_layer_job(
             if scalars
             else {}
         )
-        nv = {k: torch.empty(shape, dtype=torch.float32) for k, shape in per_expert.items()}
+        # on the job's device: the per-rank scalars are computed there (no device-to-host copy and
+        # sync per chunk; every operation of trtllm.nvfp4_scalars is IEEE fp32 on both)
+        nv = {k: torch.empty(shape, dtype=torch.float32, device=device) for k, shape in per_expert.items()}
 
         def chunk(c0: int, c1: int):
             q, base = c0 // per_rank, (c0 // per_rank) * per_rank

@@ -105,6 +105,17 @@ def blocks_fn(scheme: str, device: str):
     return compiled_nvfp4_blocks()
 
 
+def stacked_blocks_fn(scheme: str, device: str):
+    """The one-launch quantizer core for a stack of tensors with a global amax each (NVFP4,
+    ``nvfp4.nvfp4_quantize_stacked``): the Triton kernel where :func:`blocks_fn` would give the
+    Triton kernel, else None (the op chains run, per block)."""
+    if device == "cpu" or scheme != "nvfp4" or cuda_quantizer(device) != "triton":
+        return None
+    from .numerics import cuda_kernels
+
+    return cuda_kernels.nvfp4_blocks_stacked
+
+
 def slow_quantizer_note(scheme: str, device: str) -> str | None:
     """A summary note when the fast quantizer core cannot run here (same bytes, slower)."""
     if device == "cpu":

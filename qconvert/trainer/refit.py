@@ -23,7 +23,8 @@ persistent shared-memory staging area, commit, and reload them into running serv
   is not committed and ``commit()`` flips ``commit.json``. A later refit whose outputs do not match
   ``area.json`` is refused with one line naming the tensor.
 * **Layer by layer.** Tensors are buffered per layer group; when a group is complete its jobs run
-  and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
+  (on CUDA a layer's experts quantized as one stack per tensor kind, MXFP8 and NVFP4 alike, and
+  one NaN/Inf check for the group) and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
   overlapped with the next group's quantization, at most two groups of output alive; on CPU,
   written into the mapping directly. No per-tensor ``.cpu()``, no sha256: each file's xxh3_128 is
   computed by a thread pool as soon as its group is written.
@@ -202,10 +203,11 @@ class Refitter:
         if engine not in ("vllm", "sglang"):
             raise RefitError(f"engine {engine!r}: use vllm or sglang")
         if engine == "sglang" and list(urls):
-            raise RefitError(
-                "SGLang servers cannot read a refit staging area (two slots, per-rank files) yet; "
-                "refit vLLM servers, or reload SGLang from a converted checkpoint (`qconvert reload sglang`)"
-            )
+            from qconvert.client.sglang_client import refusal, unreadable
+
+            why = unreadable(layout=bool(opts.layout), per_rank=bool(opts.layout) and (opts.tp, opts.ep) != (1, 1))
+            if why is not None:
+                raise RefitError(refusal(f"refit area {name!r} for SGLang servers", why))
         if opts.layout and opts.engine != engine:
             raise RefitError(
                 f"options.engine {opts.engine!r} (the layout's engine) differs from the servers' "
@@ -246,8 +248,10 @@ class Refitter:
         built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
 
         jobs_list = built.jobs
-        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape MXFP8 tensors in one launch
-            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, not (opts.allow_non_finite or self._check_group))
+        if opts.device in jobs_mod.STACKED_DEVICES:  # a layer's same-shape tensors in one launch
+            check = not (opts.allow_non_finite or self._check_group)
+            jobs_list = _stack_mxfp8(jobs_list, inv, opts.device, check)
+            jobs_list = _stack_nvfp4(jobs_list, inv, dialect, opts, check)
         # layer groups: which jobs each needs, and which source tensors complete it
         group_jobs: dict[tuple, list] = {}
         for j in jobs_list:
@@ -595,7 +599,10 @@ class Refitter:
     def reload(self, weight_version: str | None = None) -> list:
         """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do). vLLM
         servers read the area where it is, through qconvert's worker extension (each rank its own
-        files; docs/reload.md#per-rank-files)."""
+        files; docs/reload.md#per-rank-files). SGLang servers get the committed slot's directory
+        through ``update_weights_from_disk``, by the same call as ``qconvert reload sglang`` of the
+        area, which holds that slot's shared lock until SGLang answers
+        (docs/reload.md#sglang-disk-update)."""
         self._check_open()
         if self.rank != 0 or not self.urls:
             return []
@@ -604,7 +611,9 @@ class Refitter:
             from qconvert.client.vllm_client import reload_vllm
 
             return reload_vllm(self.urls, str(self.area), pause=self.pause or "wait", **kw)
-        return []  # SGLang: refused when made with urls
+        from qconvert.client.sglang_client import reload_sglang
+
+        return reload_sglang(self.urls, str(self.area), pause=self.pause or "retract", **kw)
 
     def refit(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
@@ -659,6 +668,29 @@ def _stack_mxfp8(jobs: list, inv: dict, device: str, check: bool) -> list:
             out.append(j)
     for js in bins.values():
         out.append(js[0] if len(js) == 1 else mxfp8_stack_job(js, device, check))
+    return out
+
+
+def _stack_nvfp4(jobs: list, inv: dict, dialect: str, opts, check: bool) -> list:
+    """NVFP4 group jobs of one layer group whose members have the same shapes and dtype (the
+    experts' gate/up pairs; their downs) merged into one stacked job each (jobs.nvfp4_stack_job);
+    a group alone (q/k/v, a dense gate/up) becomes a stacked job of one, so that its outputs,
+    input scales included, are all on the device. Every other job as it is."""
+    from qconvert.convert.jobs import nvfp4_stack_job
+
+    out, bins = [], {}
+    for j in jobs:
+        specs = tuple(inv[s] for s in j.sources)
+        if (
+            j.nvfp4 is not None
+            and all(len(shape) == 2 for _, shape in specs)
+            and len({(tag, shape[-1]) for tag, shape in specs}) == 1
+        ):
+            bins.setdefault((staging.group_key(j.sources[0]), specs), []).append(j)
+        else:
+            out.append(j)
+    for js in bins.values():
+        out.append(nvfp4_stack_job(js, dialect, opts, check))
     return out
 
 

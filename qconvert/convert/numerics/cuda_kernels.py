@@ -170,11 +170,17 @@ if triton is not None:
         g_ptr,
         scale_2_ptr,
         n_blocks,
+        rows_per_g,
         TE: tl.constexpr,
         BF16_WORDS: tl.constexpr,
         BLOCKS: tl.constexpr,
+        STACKED: tl.constexpr,
     ):
         """Blocks of 16 with the global amax at ``g_ptr``; program 0 also writes ``scale_2``.
+
+        ``STACKED``: a stack of tensors, ``rows_per_g`` blocks each, tensor ``i`` with its own
+        global amax ``g_ptr[i]``; the first block of each tensor writes its ``scale_2_ptr[i]``.
+        Every per-tensor scalar is then computed per block, with the same operations.
 
         ``BF16_WORDS``: ``x_ptr`` is BF16 data read as int32 words, two elements each (element 2j
         in the low half): fp32 values by a shift and a mask, with full-width loads. Otherwise
@@ -197,7 +203,11 @@ if triton is not None:
         amax = tl.reduce(_max_nan(ae, ao), 1, _max_nan)  # a NaN anywhere gives NaN
         # Per-tensor scalars, computed per program in nvfp4.py's operation order: a handful of
         # instructions, where a dozen tiny torch kernels per tensor cost 10-20% of the time.
-        g = tl.load(g_ptr)
+        if STACKED:
+            item = rows // rows_per_g
+            g = tl.load(g_ptr + item, mask=rows < n_blocks, other=1.0)
+        else:
+            g = tl.load(g_ptr)
         scale_2 = tl.math.div_rn(g, 2688.0)
         if TE:
             s_enc = tl.minimum(tl.math.div_rn(2688.0, g), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -246,8 +256,11 @@ if triton is not None:
         byte = (mo << 4) + me + sign  # low byte: element 2j's code in the low nibble, signs in bits 3, 7
         tl.store(packed_ptr + rows[:, None] * 8 + pairs[None, :], byte.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + rows, sc, mask=rows < n_blocks)
-        if tl.program_id(0) == 0:
-            tl.store(scale_2_ptr, scale_2)
+        if STACKED:
+            tl.store(scale_2_ptr + item, scale_2, mask=(rows < n_blocks) & (rows % rows_per_g == 0))
+        else:
+            if tl.program_id(0) == 0:
+                tl.store(scale_2_ptr, scale_2)
 
     @triton.jit
     def _e2m1_level(code):
@@ -290,16 +303,28 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_4over6_kernel(
-        x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, BF16_WORDS: tl.constexpr, BLOCKS: tl.constexpr
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        g_ptr,
+        scale_2_ptr,
+        n_blocks,
+        rows_per_g,
+        BF16_WORDS: tl.constexpr,
+        BLOCKS: tl.constexpr,
     ):
         """The 4over6 recipe (nvfp4.py's module docstring) on blocks of 16, the global amax at
-        ``g_ptr``; program 0 also writes ``scale_2``. One lane per block, the block read pair by pair
+        ``g_ptr``; program 0 also writes ``scale_2`` (one tensor: ``rows_per_g`` = ``max(n_blocks, 1)``).
+        A stack of tensors of ``rows_per_g`` blocks each: tensor ``i`` has the global amax
+        ``g_ptr[i]`` and its first block writes ``scale_2_ptr[i]``. One lane per block, the block read pair by pair
         (``_load_pair``) three times: its amax; both candidates' codes and errors, the errors summed
         in element order as the definition requires (a tree reduction would round differently);
         the kept candidate's codes. Every per-tensor value is a vector of the global amax's lanes."""
         rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         live = rows < n_blocks
-        g = tl.load(g_ptr + rows * 0)
+        first = live | (rows == 0)  # block 0 writes scale_2 even when there are no blocks
+        item = rows // rows_per_g
+        g = tl.load(g_ptr + item, mask=first, other=1.0)
         q = tl.math.div_rn(tl.full([BLOCKS], 1536.0, tl.float32), g)
         s_enc = tl.minimum(q, FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         s_enc = tl.where(g == 0.0, 1.0, tl.where(s_enc == 0.0, 1.0, s_enc))
@@ -336,7 +361,7 @@ if triton is not None:
             byte = (mo << 4) + me + sign
             tl.store(packed_ptr + rows * 8 + j, byte.to(tl.uint8), mask=live)
         tl.store(scale_ptr + rows, tl.where(four, sf4, sf6).to(tl.float8e4nv), mask=live)  # exact: E4M3 values
-        tl.store(scale_2_ptr + rows * 0, scale_2, mask=rows == 0)
+        tl.store(scale_2_ptr + item, scale_2, mask=first & (rows % rows_per_g == 0))
 
 
 def _grid(n_blocks: int, per_program: int):
@@ -385,6 +410,7 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
                 g,
                 scale_2,
                 n,
+                max(n, 1),
                 BF16_WORDS=words,
                 BLOCKS=blocks,
                 num_warps=FOUR_OVER_SIX_WARPS,
@@ -400,13 +426,70 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
             g,
             scale_2,
             n,
+            1,
             TE=recipe == "te",
             BF16_WORDS=words,
             BLOCKS=blocks,
+            STACKED=False,
             num_warps=NVFP4_WARPS,
             **_launch_options(),
         )
     return packed, scale, scale_2.reshape(())
+
+
+def nvfp4_blocks_stacked(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
+    """:func:`nvfp4_blocks` of a stack of tensors in one launch: ``xb [n, 16]`` on CUDA holds
+    ``len(g)`` tensors of ``n / len(g)`` blocks each, back to back, tensor ``i`` with the global
+    amax ``g[i]`` (fp32). Returns (packed uint8 [n, 8], block scale e4m3 [n], scale_2 fp32
+    [len(g)]): each tensor's bytes what :func:`nvfp4_blocks` gives it alone."""
+    xb = xb.contiguous()
+    n = xb.shape[0]
+    items = g.numel()
+    if items == 0 or n % items:
+        raise ValueError(f"{n} blocks do not split into {items} tensors")
+    g = g.detach().to(device=xb.device, dtype=torch.float32).reshape(items).contiguous()
+    packed = torch.empty(n, 8, dtype=torch.uint8, device=xb.device)
+    scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
+    scale_2 = torch.empty(items, dtype=torch.float32, device=xb.device)
+    words = xb.dtype == torch.bfloat16
+    if n and recipe == "4over6":
+        with _on_device(xb):
+            _nvfp4_4over6_kernel[_grid(n, FOUR_OVER_SIX_PROGRAM_BLOCKS)](
+                xb.view(torch.int32) if words else xb,
+                packed,
+                scale,
+                g,
+                scale_2,
+                n,
+                n // items,
+                BF16_WORDS=words,
+                BLOCKS=FOUR_OVER_SIX_PROGRAM_BLOCKS,
+                num_warps=FOUR_OVER_SIX_WARPS,
+                **_launch_options(),
+            )
+    elif n:
+        blocks = NVFP4_PROGRAM_BLOCKS[recipe]
+        with _on_device(xb):
+            _nvfp4_kernel[_grid(n, blocks)](
+                xb.view(torch.int32) if words else xb,
+                packed,
+                scale,
+                g,
+                scale_2,
+                n,
+                n // items,
+                TE=recipe == "te",
+                BF16_WORDS=words,
+                BLOCKS=blocks,
+                STACKED=True,
+                num_warps=NVFP4_WARPS,
+                **_launch_options(),
+            )
+    return packed, scale, scale_2
+
+
+#: the NVFP4 recipes nvfp4_blocks_stacked implements
+nvfp4_blocks_stacked.recipes = ("te", "modelopt", "4over6")
 
 
 #: the NVFP4 recipes nvfp4_blocks implements (nvfp4.nvfp4_quantize reads this from the core it is given)

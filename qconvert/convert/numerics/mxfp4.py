@@ -11,6 +11,10 @@ scale 2^d and its own nibbles: it decodes to the source values ("lossless"; a -0
 +0, as ModelOpt's sign rule gives). Any other block is requantized from its values with the
 block amax ``max|e2m1| * 2^k`` (ModelOpt's data-derived amax), the scale clamped to [2^-9, 448],
 elements rounded as ModelOpt's NVFP4 quantizer rounds them.
+
+MXFP4 -> MXFP8 (:func:`mxfp4_to_mxfp8`) is lossless for every block: each E2M1 value (0, 0.5 .. 6)
+is an E4M3 value, so the elements become E4M3 and the E8M0 byte stays; only the byte 0xFF (NaN in
+E8M0) has no value (:func:`nan_scale_blocks`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,24 @@ def mxfp4_decode(packed: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
     vals = e2m1_to_float(unpack_fp4(packed))
     k = e8m0.to(torch.int32) - E8M0_BIAS
     return torch.ldexp(vals.view(*e8m0.shape, MXFP4_BLOCK), k.unsqueeze(-1).float()).reshape(vals.shape)
+
+
+#: the E8M0 byte that encodes NaN (OCP MX): no block may carry it
+E8M0_NAN = 0xFF
+
+
+def nan_scale_blocks(e8m0: torch.Tensor) -> torch.Tensor:
+    """Indices [m, e8m0.dim()] of blocks whose E8M0 byte is 0xFF (NaN: the block has no value)."""
+    return (e8m0 == E8M0_NAN).nonzero()
+
+
+def mxfp4_to_mxfp8(packed: torch.Tensor, e8m0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 [..., K], e8m0 bytes [..., K/32])``: the same values (lossless, the scale byte kept;
+    a -0 nibble stays -0). The caller refuses 0xFF scale bytes first (:func:`nan_scale_blocks`)."""
+    if packed.shape[:-1] != e8m0.shape[:-1] or packed.shape[-1] * 2 != e8m0.shape[-1] * MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, scales {tuple(e8m0.shape)}")
+    # every E2M1 value is exactly an E4M3 value: the cast rounds nothing
+    return e2m1_to_float(unpack_fp4(packed)).to(torch.float8_e4m3fn), e8m0.clone()
 
 
 def k_max_of(e8m0: torch.Tensor) -> int:

@@ -99,10 +99,11 @@ def encode_global_scale(g, recipe: str) -> np.float32:
 
 
 def encode_global_scale_tensor(g: torch.Tensor, recipe: str) -> torch.Tensor:
-    """:func:`encode_global_scale` on ``g``'s device, as a 1-element fp32 tensor: the same fp32
+    """:func:`encode_global_scale` on ``g``'s device, as a 1-element fp32 tensor (one element per
+    group for the amaxes ``g [N]`` of a stack): the same fp32
     division (tensor by tensor, IEEE round to nearest; ``scalar / tensor`` would be a reciprocal
     and a product), clamp and zero rule, with no host sync (a GPU refit has one per fused group)."""
-    g = g.reshape(1).float()
+    g = g.reshape(-1).float()  # 0-dim -> [1]; one per group of a stack -> [N]
     q = torch.full_like(g, float(global_div(recipe))) / g
     return torch.where(g > 0, torch.clamp(q, max=_FLT_MAX), torch.ones_like(g))
 
@@ -223,8 +224,10 @@ def _f32(value, device) -> torch.Tensor:
 
 
 def nvfp4_scale_2(global_amax: torch.Tensor, div: float = NVFP4_GLOBAL_DIV) -> torch.Tensor:
-    """Decode-convention global scale ``global_amax / 2688`` (fp32, 0-dim; ``div`` 1536 for 4over6)."""
-    return global_amax.float().reshape(()) / _f32(div, global_amax.device)
+    """Decode-convention global scale ``global_amax / 2688`` (fp32, 0-dim; ``div`` 1536 for 4over6).
+    A ``global_amax`` of several elements (one per tensor or block of a stack) gives one each."""
+    g = global_amax.float()
+    return (g.reshape(()) if g.numel() == 1 else g) / _f32(div, global_amax.device)
 
 
 def _te_s_enc(g: torch.Tensor, div: float) -> torch.Tensor:
@@ -389,6 +392,7 @@ def _quantize_blocks_4over6(xb: torch.Tensor, g: torch.Tensor, packed: torch.Ten
     div = _f32(E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX, dev)
     s_enc, s_dec = four_over_six_tensor_scalars(g)
     x = xb.float()
+    g_col = g.unsqueeze(-1) if g.dim() else g  # one global amax per block (a stack) or for all
     base = (_block_amax(xb) / _f32(E2M1_MAX, dev)) * s_enc
     best_err = best_code = best_scale = None
     # map-to-6 first: it is kept unless map-to-4 is strictly better (ties and NaN keep map-to-6)
@@ -398,7 +402,7 @@ def _quantize_blocks_4over6(xb: torch.Tensor, g: torch.Tensor, packed: torch.Ten
         sf = sc.float()
         inv = torch.minimum(_f32(1.0, dev) / (sf * s_dec), flt_max)
         code = _e2m1_code_i32((x * inv.unsqueeze(-1)).contiguous(), True)
-        deq = ((e2m1_to_float(code) * sf.unsqueeze(-1)) * g) / div
+        deq = ((e2m1_to_float(code) * sf.unsqueeze(-1)) * g_col) / div
         diff = (deq - x).abs_()
         err = torch.zeros_like(sf)
         for i in range(NVFP4_BLOCK):  # fp32 sum in element order, as TE accumulates it
@@ -530,6 +534,61 @@ def nvfp4_quantize(
         return nvfp4_quantize(x, global_amax, recipe, workers)
     packed, scale, scale_2 = blocks_fn(xb, g, recipe)
     return packed.reshape(*lead, k // 2), scale.reshape(*lead, k // NVFP4_BLOCK), scale_2
+
+
+def nvfp4_quantize_stacked(
+    x: torch.Tensor,
+    global_amax: torch.Tensor,
+    recipe: str = "te",
+    workers: int | None = None,
+    stacked_fn=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_quantize` of each ``x[i]`` of a stack ``x [N, ..., K]`` with its own global amax
+    ``global_amax[i]`` (fp32 [N], on any device): ``(packed [N, ..., K/2], block_scale [N, ..., K/16],
+    scale_2 fp32 [N])``, each item's bytes what ``nvfp4_quantize(x[i], global_amax[i])`` gives.
+
+    On CUDA one call: ``stacked_fn`` (the Triton kernel, cuda_kernels.nvfp4_blocks_stacked) or the
+    op chain with the global amax repeated per block (every per-tensor scalar of the chain is an
+    elementwise operation, so it is computed per block with the same operations). On CPU the C
+    kernel runs item by item (its per-tensor factors are numpy fp32 scalars), else that chain.
+    """
+    if recipe not in NVFP4_RECIPES:
+        raise ValueError(f"unknown NVFP4 recipe {recipe!r}; expected one of {NVFP4_RECIPES}")
+    if not x.is_floating_point():
+        raise TypeError(f"NVFP4 input must be a floating tensor, got {x.dtype}")
+    if x.dim() < 2 or x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"stack of shape {tuple(x.shape)}: need [N, ..., K] with K a multiple of 16")
+    items, k = x.shape[0], x.shape[-1]
+    dev = x.device
+    g = global_amax.detach().to(device=dev, dtype=torch.float32).reshape(items)
+    xb = x.reshape(-1, NVFP4_BLOCK)
+    n = xb.shape[0]
+    rows = n // items if items else 0
+    packed = torch.empty(*x.shape[:-1], k // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(*x.shape[:-1], k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
+    pv, sv = packed.view(-1, NVFP4_BLOCK // 2), scale.view(-1)
+    if n == 0:
+        return packed, scale, recipe_scale_2(g, recipe).reshape(items)
+    w = torch.get_num_threads() if workers is None else workers
+    if dev.type == "cpu" and cpu_kernels.usable(xb):
+        gs = g.numpy()
+        s2s = np.empty(items, dtype=np.float32)
+        for i in range(items):
+            s2s[i], k0, k1 = cpu_tensor_scalars(gs[i], recipe)
+            r = slice(i * rows, (i + 1) * rows)
+            if recipe == "4over6":
+                cpu_kernels.nvfp4_4over6_into(xb[r], float(k0), float(k1), float(gs[i]), pv[r], sv[r], w)
+            else:
+                cpu_kernels.nvfp4_into(xb[r], recipe == "te", float(k0), float(k1), bool(gs[i] == 0), pv[r], sv[r], w)
+        return packed, scale, torch.from_numpy(s2s)
+    if recipe not in getattr(stacked_fn, "recipes", ()):
+        stacked_fn = None  # a core that does not declare this recipe: the op chain runs
+    if stacked_fn is not None and dev.type != "cpu":
+        p, s, scale_2 = stacked_fn(xb, g, recipe)
+        return p.view(packed.shape), s.view(scale.shape), scale_2
+    g_rows = g.repeat_interleave(rows)
+    _quantize_blocks(xb, g_rows, recipe_scale_2(g_rows, recipe), recipe, pv, sv)
+    return packed, scale, recipe_scale_2(g, recipe).reshape(items)
 
 
 _compiled: dict = {}
