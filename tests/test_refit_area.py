@@ -438,7 +438,7 @@ def test_cuda_refit_host_syncs_per_group(demo_moe, shm, case, check):
         syncs = [
             f"{w.filename}:{w.lineno}"
             for w in seen
-            if "synchronizing" in str(w.message)
+            if "called a synchronizing" in str(w.message)  # not the once-per-process "prototype feature" notice
             and not (w.filename.endswith("refit.py") and ".synchronize()" in linecache.getline(w.filename, w.lineno))
         ]
         assert len(syncs) <= (len(r._keys) if check else 0), syncs[:10]
