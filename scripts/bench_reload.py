@@ -10,8 +10,11 @@ two areas so that the weights really change, ``--rounds`` times each:
 
 - floor: ``qconvert_copy_floor``: in the worker, one ``copy_`` of every tensor the rank loads, from
   the same mappings into tensors of the same shapes allocated and touched beforehand (best of 3);
-- staged: ``qconvert_load_staged`` (what ``qconvert reload vllm shm:NAME`` runs), the worker's own
-  time, and the request's wall time;
+- direct: ``qconvert_load_staged`` (what ``qconvert reload vllm shm:NAME`` runs: the direct in-place
+  load where exact, docs/reload.md#vllm-direct-load), the worker's own time, and the request's
+  wall time;
+- layerwise: ``qconvert_load_staged`` with ``direct=False`` (every layer through vLLM's layerwise
+  reload, what the extension did before the direct load);
 - stock: vLLM's own ``reload_weights`` of the same area directory (its disk loader: safetensors
   read of every tensor, then the same layerwise reload), for comparison.
 
@@ -84,7 +87,15 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
         raise SystemExit(str(e)) from None
     c = VllmClient(srv.url, timeout=600, reload_timeout=3600)
     moe = True
-    rec: dict = {"scheme": scheme, "floor": [], "staged": [], "staged_wall": [], "stock": [], "repack": []}
+    rec: dict = {
+        "scheme": scheme,
+        "floor": [],
+        "staged": [],
+        "staged_wall": [],
+        "layerwise": [],
+        "stock": [],
+        "repack": [],
+    }
     try:
         assert c.has_extension(), "server started without qconvert's worker extension"
 
@@ -107,6 +118,10 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                 rec["staged_wall"].append(time.perf_counter() - t)
                 rec["staged"].append(st["load_seconds"] + st["map_seconds"])
                 rec["released"] = st["mappings_released"]
+                rec["path"], rec["modules"] = st.get("path"), st.get("modules")
+                repack()
+                (st,) = c.collective_rpc(STAGED_RPC, area=str(area), direct=False)
+                rec["layerwise"].append(st["load_seconds"] + st["map_seconds"])
                 repack()
                 if not args.no_stock:
                     t = time.perf_counter()
@@ -168,18 +183,19 @@ def main() -> None:
         f"x {args.moe_inter}; {args.rounds} rounds x 2 areas; medians (range)"
     )
     print(
-        "| scheme | bytes loaded | worker threads | floor: copy into preallocated (s) | staged load (s) | "
-        "**staged / floor** | request wall (s) | stock reload_weights of the area (s) | stock / floor | "
-        "CPU MoE repack (s) |"
+        "| scheme | bytes loaded | worker threads | floor: copy into preallocated (s) | direct load (s) | "
+        "**direct / floor** | request wall (s) | layerwise load (s) | layerwise / floor | "
+        "stock reload_weights of the area (s) | stock / floor | CPU MoE repack (s) | repack / floor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in recs:
         f = med(r["floor"])
         print(
             f"| {r['scheme']} | {r['bytes'] / 1e6:.0f} MB | {r['threads']} | {f:.3f} ({rng(r['floor'])}) | "
             f"{med(r['staged']):.3f} ({rng(r['staged'])}) | **{med(r['staged']) / f:.2f}** | "
-            f"{med(r['staged_wall']):.3f} | {med(r['stock']):.3f} ({rng(r['stock'])}) | "
-            f"{med(r['stock']) / f:.2f} | {med(r['repack']):.3f} |"
+            f"{med(r['staged_wall']):.3f} | {med(r['layerwise']):.3f} ({rng(r['layerwise'])}) | "
+            f"{med(r['layerwise']) / f:.2f} | {med(r['stock']):.3f} ({rng(r['stock'])}) | "
+            f"{med(r['stock']) / f:.2f} | {med(r['repack']):.3f} | {med(r['repack']) / f:.2f} |"
         )
     for r in recs:
         if r.get("profile"):
@@ -189,6 +205,7 @@ def main() -> None:
         print(
             f"{r['scheme']}: mappings released after every load: {r.get('released')}; greedy after: {r.get('greedy')!r}"
         )
+        print(f"{r['scheme']}: default load path {r.get('path')}, modules per form {r.get('modules')}")
     if args.json:
         Path(args.json).write_text(json.dumps(recs, indent=1))
 

@@ -61,3 +61,16 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _refuse_skip(outcome.get_result())
+
+
+def shm_dir(tmp_path):
+    """A staging root for a test. With CUDA it lies on /dev/shm: the Refitter registers its mappings
+    with cudaHostRegister, which fails for files outside tmpfs (the product's default root is
+    /dev/shm/qconvert); without CUDA the test's own tmp_path."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return tmp_path / "shm"
+    from pathlib import Path
+
+    return Path("/dev/shm") / "qconvert-test" / f"{os.getpid()}-{tmp_path.name}"

@@ -144,3 +144,13 @@ def test_bad_mxfp4_source(tmp_path, case):
     line = assert_one_line(cli("nvfp4", src, dst), 1, *needles)
     assert DOC not in line  # the bad tensor is named before the refusal
     assert not dst.exists()
+
+
+def test_inspect_names_the_mxfp4_source(gptoss):
+    src, _ = gptoss
+    r = cli("inspect", src)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in r.stdout.splitlines() if " : " in ln}
+    assert lines["format"].startswith("mxfp4 (gpt-oss dialect")
+    engines = [ln for ln in r.stdout.splitlines() if ln.startswith("engine")]
+    assert len(engines) == 2 and all(" yes " in ln for ln in engines)

@@ -133,6 +133,22 @@ for i in range(items):
     assert torch.equal(P[r], p), i
     assert torch.equal(S[r].view(torch.uint8), s.view(torch.uint8)), i
     assert S2[i].view(torch.int32) == s2[0].view(torch.int32), i
+
+# 4over6 (its kernel rounds E4M3 itself, so the interpreter is exact): the stacked launch against
+# the torch chain item by item, 3 items of 40 blocks (programs straddle items), group amaxes
+from qconvert.convert.numerics import nvfp4
+
+x = (torch.randn(3, 40, 16) * 0.02).to(torch.bfloat16)
+x[1] *= 1e4
+x[2, :20] = 0
+g = x.float().abs().reshape(3, -1).amax(dim=1) * torch.tensor([1.0, 2.0, 1.0])
+P, S, S2 = ck.nvfp4_blocks_stacked(x.reshape(-1, 16), g, "4over6")
+for i in range(3):
+    p, s, s2 = nvfp4.nvfp4_quantize(x[i], global_amax=g[i], recipe="4over6")
+    r = slice(i * 40, (i + 1) * 40)
+    assert torch.equal(P[r], p.reshape(-1, 8)), ("4over6", i)
+    assert torch.equal(S[r].view(torch.uint8), s.reshape(-1).view(torch.uint8)), ("4over6", i)
+    assert S2[i].view(torch.int32) == s2.view(torch.int32), ("4over6", i)
 print("OK")
 """
 

@@ -69,6 +69,7 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
         assert stats["modules"].get("cpu-moe", 0) == 1 and stats["modules"].get("cpu-mxfp8-moe", 0) >= 1, stats
         assert any(k.startswith("layerwise:") for k in stats["modules"]), stats
         assert stats["mappings_released"] is True
+        assert stats["modules"]["direct-deferred"] == 0, stats  # no direct module went through vLLM's wrapper
         return _greedy_logprobs(srv.url)
 
     try:
@@ -124,6 +125,7 @@ def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypat
         original = run()
         st = load(areas["b"], True)
         assert st["path"] == "direct" and st["modules"].get("cpu-moe") == 4, st
+        assert st["modules"]["direct-deferred"] == 0, st
         direct_b = run()
         assert direct_b != original
         st = load(areas["a"], False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shm_dir
 from safetensors.torch import load_file
 
 from qconvert.client import staging
@@ -49,7 +50,7 @@ CASES = [
 @pytest.mark.parametrize("scheme,extra,plan", CASES, ids=["mxfp8-last1", "mxfp8-modelopt-first1", "nvfp4-last1"])
 @pytest.mark.parametrize("arch", ["moe", "dense"])
 def test_refit_bytes_equal_converter(arch, scheme, extra, plan, demo_moe, demo_dense, tmp_path, monkeypatch):
-    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(shm_dir(tmp_path)))
     src = demo_moe if arch == "moe" else demo_dense
     opts = ConvertOptions(scheme=scheme, plan=plan, fsync=False, progress=False, **extra)
     dst = tmp_path / "converted"
@@ -80,7 +81,7 @@ def test_refit_bytes_equal_converter(arch, scheme, extra, plan, demo_moe, demo_d
 
 def test_refit_layer_complete_before_staging(demo_dense, tmp_path, monkeypatch):
     """Each layer group is quantized and written once, only when all of a layer's tensors arrived."""
-    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(shm_dir(tmp_path)))
     seen = []
     orig = Refitter._write_group
 
@@ -100,7 +101,7 @@ def test_refit_layer_complete_before_staging(demo_dense, tmp_path, monkeypatch):
 
 
 def test_refit_refuses_missing_and_foreign_tensors(demo_dense, tmp_path, monkeypatch):
-    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(shm_dir(tmp_path)))
     items = list(_trainer_stream(demo_dense))
     with pytest.raises(QConvertError, match="never arrived"):
         stage_refit(items[:-1], reference=demo_dense, stage_name="r")
@@ -110,12 +111,12 @@ def test_refit_refuses_missing_and_foreign_tensors(demo_dense, tmp_path, monkeyp
     with pytest.raises(QConvertError, match="the reference has"):
         stage_refit(bad, reference=demo_dense, stage_name="r")
     with pytest.raises(QConvertError, match="nothing committed yet"):  # the area exists, no version in it
-        fs.read_area(tmp_path / "shm" / "r")
+        fs.read_area(shm_dir(tmp_path) / "r")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_refit_cuda_equals_cpu(demo_moe, tmp_path, monkeypatch):
-    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(shm_dir(tmp_path)))
     a = stage_refit(_trainer_stream(demo_moe), reference=demo_moe, stage_name="cpu")
     cuda_stream = ((n, t.cuda()) for n, t in _trainer_stream(demo_moe))
     b = stage_refit(

@@ -770,9 +770,13 @@ class SlotMaps:
             if self.cuda:
                 rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
                 if int(getattr(rc, "value", rc)) != 0:
+                    torch.cuda.cudart().cudaGetLastError()  # clear it: CUDA reports it again at the next launch
+                    del t
+                    mm.close()
                     raise StagingError(
-                        f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); "
-                        "raise the locked-memory limit (ulimit -l) or stage with device='cpu'"
+                        f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); the staging "
+                        "root must be on tmpfs (the default /dev/shm/qconvert; QCONVERT_SHM_ROOT) with a "
+                        "locked-memory limit (ulimit -l) that covers the area, or stage with device='cpu'"
                     )
                 registered = True
             self._maps[(slot, fname)] = (mm, t, registered)

@@ -34,7 +34,7 @@ _ROLE_TAGS = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F64": "f64"}
 #: module formats that are quantized (the ones qconvert writes, and FP8 it reads)
 QUANTIZED_FORMATS = ("mxfp8", "nvfp4", "fp8", "fp8-block")
 #: schemes qconvert can verify; the others detect but do not verify
-UNVERIFIABLE = ("unknown", "fp8", "fp8-block")
+UNVERIFIABLE = ("unknown", "fp8", "fp8-block", "mxfp4")
 #: dtypes of FP8 block-scale tensors (fp32 in DeepSeek-style sources, the model's dtype in
 #: compressed-tensors ones; docs/formats.md#compressed-tensors-fp8-block-sources)
 FP8_BLOCK_SCALE_TAGS = ("F32", "BF16", "F16")
@@ -188,7 +188,7 @@ def finding(code: Code, **args) -> Finding:
 
 @dataclass
 class Detection:
-    scheme: str  # bf16 | mxfp8 | nvfp4 | fp8 | fp8-block | unknown
+    scheme: str  # bf16 | mxfp8 | nvfp4 | fp8 | fp8-block | mxfp4 | unknown
     dialect: str
     producer: str  # qconvert | modelopt | compressed-tensors | miles/sglang | transformers | unknown
     quant_method: str | None
@@ -307,6 +307,9 @@ def detect(config: dict, hf_quant_config: dict | None, manifest: dict | None, mo
         else:
             scheme, dialect = "fp8", "fp8"
         grab(FP8_READ_KEYS)
+    elif method == "mxfp4":  # gpt-oss's own experts (docs/formats.md#mxfp4-sources)
+        scheme, dialect = "mxfp4", "gpt-oss"
+        grab((MODULES_TO_NOT_CONVERT,))
     else:
         scheme, dialect = "unknown", method or "unknown"
         found.append(finding(Code.UNKNOWN_QUANT_METHOD, method=method))

@@ -400,6 +400,8 @@ def engine_support(scheme: str, dialect: str, moe: bool = False, layout: dict | 
         ]
     if scheme in ("fp8", "fp8-block"):
         return [EngineSupport("vllm", True, "SM89+ (FP8)", []), EngineSupport("sglang", True, "SM89+ (FP8)", [])]
+    if scheme == "mxfp4":  # gpt-oss as shipped (docs/formats.md#gpt-oss-quantized-forms)
+        return [EngineSupport("vllm", True, "gpt-oss MXFP4", []), EngineSupport("sglang", True, "gpt-oss MXFP4", [])]
     return [
         EngineSupport("vllm", False, "", [], "unknown format"),
         EngineSupport("sglang", False, "", [], "unknown format"),

@@ -36,6 +36,7 @@ EXCLUSION_KEYS = {
     ("fp8", "compressed-tensors"): (IGNORE,),
     ("fp8-block", "deepseek"): (MODULES_TO_NOT_CONVERT,),
     ("fp8-block", "compressed-tensors"): (IGNORE,),
+    ("mxfp4", "gpt-oss"): (MODULES_TO_NOT_CONVERT,),
 }
 
 #: keys under which a reader finds the list, per quant_method family (inspect's detection)

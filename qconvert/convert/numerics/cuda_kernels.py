@@ -303,16 +303,28 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_4over6_kernel(
-        x_ptr, packed_ptr, scale_ptr, g_ptr, scale_2_ptr, n_blocks, BF16_WORDS: tl.constexpr, BLOCKS: tl.constexpr
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        g_ptr,
+        scale_2_ptr,
+        n_blocks,
+        rows_per_g,
+        BF16_WORDS: tl.constexpr,
+        BLOCKS: tl.constexpr,
     ):
         """The 4over6 recipe (nvfp4.py's module docstring) on blocks of 16, the global amax at
-        ``g_ptr``; program 0 also writes ``scale_2``. One lane per block, the block read pair by pair
+        ``g_ptr``; program 0 also writes ``scale_2`` (one tensor: ``rows_per_g`` = ``max(n_blocks, 1)``).
+        A stack of tensors of ``rows_per_g`` blocks each: tensor ``i`` has the global amax
+        ``g_ptr[i]`` and its first block writes ``scale_2_ptr[i]``. One lane per block, the block read pair by pair
         (``_load_pair``) three times: its amax; both candidates' codes and errors, the errors summed
         in element order as the definition requires (a tree reduction would round differently);
         the kept candidate's codes. Every per-tensor value is a vector of the global amax's lanes."""
         rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         live = rows < n_blocks
-        g = tl.load(g_ptr + rows * 0)
+        first = live | (rows == 0)  # block 0 writes scale_2 even when there are no blocks
+        item = rows // rows_per_g
+        g = tl.load(g_ptr + item, mask=first, other=1.0)
         q = tl.math.div_rn(tl.full([BLOCKS], 1536.0, tl.float32), g)
         s_enc = tl.minimum(q, FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         s_enc = tl.where(g == 0.0, 1.0, tl.where(s_enc == 0.0, 1.0, s_enc))
@@ -349,7 +361,7 @@ if triton is not None:
             byte = (mo << 4) + me + sign
             tl.store(packed_ptr + rows * 8 + j, byte.to(tl.uint8), mask=live)
         tl.store(scale_ptr + rows, tl.where(four, sf4, sf6).to(tl.float8e4nv), mask=live)  # exact: E4M3 values
-        tl.store(scale_2_ptr + rows * 0, scale_2, mask=rows == 0)
+        tl.store(scale_2_ptr + item, scale_2, mask=first & (rows % rows_per_g == 0))
 
 
 def _grid(n_blocks: int, per_program: int):
@@ -398,6 +410,7 @@ def nvfp4_blocks(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
                 g,
                 scale_2,
                 n,
+                max(n, 1),
                 BF16_WORDS=words,
                 BLOCKS=blocks,
                 num_warps=FOUR_OVER_SIX_WARPS,
@@ -438,10 +451,25 @@ def nvfp4_blocks_stacked(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     packed = torch.empty(n, 8, dtype=torch.uint8, device=xb.device)
     scale = torch.empty(n, dtype=torch.float8_e4m3fn, device=xb.device)
     scale_2 = torch.empty(items, dtype=torch.float32, device=xb.device)
-    if n:
-        words = xb.dtype == torch.bfloat16
+    words = xb.dtype == torch.bfloat16
+    if n and recipe == "4over6":
+        with _on_device(xb):
+            _nvfp4_4over6_kernel[_grid(n, FOUR_OVER_SIX_PROGRAM_BLOCKS)](
+                xb.view(torch.int32) if words else xb,
+                packed,
+                scale,
+                g,
+                scale_2,
+                n,
+                n // items,
+                BF16_WORDS=words,
+                BLOCKS=FOUR_OVER_SIX_PROGRAM_BLOCKS,
+                num_warps=FOUR_OVER_SIX_WARPS,
+                **_launch_options(),
+            )
+    elif n:
         blocks = NVFP4_PROGRAM_BLOCKS[recipe]
-        with torch.cuda.device(xb.device):  # Triton launches on the current device
+        with _on_device(xb):
             _nvfp4_kernel[_grid(n, blocks)](
                 xb.view(torch.int32) if words else xb,
                 packed,
@@ -460,8 +488,8 @@ def nvfp4_blocks_stacked(xb: torch.Tensor, g: torch.Tensor, recipe: str = "te"):
     return packed, scale, scale_2
 
 
-#: the NVFP4 recipes nvfp4_blocks_stacked implements (4over6 has its own kernel, one tensor a launch)
-nvfp4_blocks_stacked.recipes = ("te", "modelopt")
+#: the NVFP4 recipes nvfp4_blocks_stacked implements
+nvfp4_blocks_stacked.recipes = ("te", "modelopt", "4over6")
 
 
 #: the NVFP4 recipes nvfp4_blocks implements (nvfp4.nvfp4_quantize reads this from the core it is given)

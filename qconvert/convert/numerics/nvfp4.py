@@ -582,7 +582,7 @@ def nvfp4_quantize_stacked(
                 cpu_kernels.nvfp4_into(xb[r], recipe == "te", float(k0), float(k1), bool(gs[i] == 0), pv[r], sv[r], w)
         return packed, scale, torch.from_numpy(s2s)
     if recipe not in getattr(stacked_fn, "recipes", ()):
-        stacked_fn = None  # the stacked Triton launch implements te/modelopt: the op chain runs
+        stacked_fn = None  # a core that does not declare this recipe: the op chain runs
     if stacked_fn is not None and dev.type != "cpu":
         p, s, scale_2 = stacked_fn(xb, g, recipe)
         return p.view(packed.shape), s.view(scale.shape), scale_2
