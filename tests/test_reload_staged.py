@@ -341,6 +341,26 @@ def test_cpu_plugin_mxfp8_dequant_equals_vllms():
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_moe_prepack_per_expert_equals_vllms(isa):
+    """The worker extension's CPU MoE prepack after a reload, one expert at a time into the served
+    storage, gives the bytes of vLLM's own ``cpu_prepack_moe_weight`` of the whole tensor."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+
+    from qconvert.engine.vllm_worker import prepack_experts_in_place
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 64, 96, generator=g).to(torch.bfloat16)
+    want = ops.cpu_prepack_moe_weight(w, isa)
+    assert not torch.equal(want.view(torch.int16), w.view(torch.int16))  # the op does change the layout
+    storage = w.untyped_storage().data_ptr()
+    prepack_experts_in_place(w, isa)
+    assert w.untyped_storage().data_ptr() == storage
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_server_loads_staged_area_and_back(tmp_path, monkeypatch):
     """A real vLLM CPU server (Qwen3-MoE MXFP8, qconvert's worker extension): B from a version 1
