@@ -119,6 +119,7 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                 rec["staged"].append(st["load_seconds"] + st["map_seconds"])
                 rec["released"] = st["mappings_released"]
                 rec["path"], rec["modules"] = st.get("path"), st.get("modules")
+                rec.setdefault("plans", []).append(st.get("plan"))
                 repack()
                 (st,) = c.collective_rpc(STAGED_RPC, area=str(area), direct=False)
                 rec["layerwise"].append(st["load_seconds"] + st["map_seconds"])
@@ -206,6 +207,7 @@ def main() -> None:
             f"{r['scheme']}: mappings released after every load: {r.get('released')}; greedy after: {r.get('greedy')!r}"
         )
         print(f"{r['scheme']}: default load path {r.get('path')}, modules per form {r.get('modules')}")
+        print(f"{r['scheme']}: copy plan of each timed direct load: {r.get('plans')}")
     if args.json:
         Path(args.json).write_text(json.dumps(recs, indent=1))
 

@@ -90,7 +90,8 @@ def test_the_scan_sees_a_literal(tmp_path):
 def test_formats_imports_no_torch():
     code = (
         "import sys\nimport qconvert.formats.schemes, qconvert.formats.dialects, qconvert.formats.exclusions, "
-        "qconvert.formats.manifest, qconvert.formats.detect\nprint(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+        "qconvert.formats.manifest, qconvert.formats.detect, qconvert.formats.safetensors, qconvert.formats.staging\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

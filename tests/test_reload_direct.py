@@ -61,10 +61,13 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
     staging.stage_checkpoint(b, "b")
     srv = Server(b, tmp_path / "server.log")
 
+    plans = []
+
     def direct(name: str) -> list:
         res = reload_vllm([srv.url], f"shm:{name}", weight_version=name)
         (stats,) = res[0].load
         assert stats["path"] == "direct", stats
+        plans.append((stats["plan"], stats["modules"]["planned-tensors"]))
         # both direct forms ran; attention/linear layers went through vLLM's layerwise reload
         assert stats["modules"].get("cpu-moe", 0) == 1 and stats["modules"].get("cpu-mxfp8-moe", 0) >= 1, stats
         assert any(k.startswith("layerwise:") for k in stats["modules"]), stats
@@ -84,6 +87,10 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
         assert direct("b") == fresh_b  # from A's served tensors (rebuilt by vLLM)
         assert direct("a") == direct_a
         assert direct("b") == fresh_b
+        # the first direct load recorded the copy plan; the last ones replayed it (the staged tensors
+        # of the direct modules copied to their recorded places, not through load_weights)
+        assert plans[0] == ("recorded", 0), plans
+        assert plans[-1][0] == plans[-2][0] == "replayed" and plans[-1][1] > 0, plans
     finally:
         srv.stop()
         for n in ("a", "b"):
@@ -125,6 +132,7 @@ def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypat
         original = run()
         st = load(areas["b"], True)
         assert st["path"] == "direct" and st["modules"].get("cpu-moe") == 4, st
+        assert st["plan"] == "recorded", st
         assert st["modules"]["direct-deferred"] == 0, st
         direct_b = run()
         assert direct_b != original
@@ -133,8 +141,12 @@ def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypat
         assert run() == original
         load(areas["b"], False)
         assert run() == direct_b  # vLLM's layerwise reload of B: the oracle
-        load(areas["a"], True)
+        st = load(areas["a"], True)
+        assert st["plan"] in ("recorded", "replayed"), st
         assert run() == original
+        st = load(areas["b"], True)
+        assert st["plan"] == "replayed" and st["modules"]["planned-tensors"] > 0, st
+        assert run() == direct_b
     finally:
         llm = None  # the engine core process ends with the LLM
         for n in ("a", "b"):

@@ -328,6 +328,36 @@ def test_cpu_plugin_mxfp8_dequant_equals_vllms():
     w = torch.randint(0, 256, (3, 64, 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     s = torch.randint(90, 160, (3, 64, 4), dtype=torch.uint8, generator=g)
     assert torch.equal(mxfp8_experts_to_bf16(w, s).view(torch.int16), dequant_mxfp8_to_bf16(w, s).view(torch.int16))
+    # every pair of codes at the positions the plugin looks up together (2k, 2k+1)
+    first, second = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
+    pairs = torch.stack([first.reshape(-1), second.reshape(-1)], dim=1).reshape(2, -1, 256).to(torch.uint8)
+    w = pairs.view(torch.float8_e4m3fn)
+    s = torch.tensor([127, 119], dtype=torch.uint8).view(2, 1, 1).expand(2, pairs.shape[1], 8).contiguous()
+    got, want = mxfp8_experts_to_bf16(w, s), dequant_mxfp8_to_bf16(w, s)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    out = torch.full(w.shape, 7.0, dtype=torch.bfloat16)
+    mxfp8_experts_to_bf16(w, s, out=out)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_moe_prepack_per_expert_equals_vllms(isa):
+    """The worker extension's CPU MoE prepack after a reload, one expert at a time into the served
+    storage, gives the bytes of vLLM's own ``cpu_prepack_moe_weight`` of the whole tensor."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+
+    from qconvert.engine.vllm_worker import prepack_experts_in_place
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 64, 96, generator=g).to(torch.bfloat16)
+    want = ops.cpu_prepack_moe_weight(w, isa)
+    assert not torch.equal(want.view(torch.int16), w.view(torch.int16))  # the op does change the layout
+    storage = w.untyped_storage().data_ptr()
+    prepack_experts_in_place(w, isa)
+    assert w.untyped_storage().data_ptr() == storage
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.vllm

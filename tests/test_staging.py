@@ -185,3 +185,35 @@ def test_cli_stage_subcommands(demo_dense, shm_root):
     assert r.exit_code == 0 and r.output == "dropped dense\n" and not (shm_root / "dense").exists()
     r = CliRunner().invoke(main, ["stage", "drop", "dense"])
     assert r.exit_code == 1 and "no staging area 'dense'" in r.output and "`qconvert stage list`" in r.output
+
+
+@pytest.mark.parametrize("align", [8, 256])
+def test_one_header_writer_any_alignment(tmp_path, align):
+    """``safetensors_io.header_bytes`` (the converter's shards: 8; staging areas: 256): data starts
+    at a multiple of ``align``, and safetensors' own reader gives back every tensor, metadata
+    included, whatever the header length before padding."""
+    from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, header_bytes
+
+    g = torch.Generator().manual_seed(align)
+    for extra in range(align + 1):  # every padding length
+        ts = {
+            "a" * (1 + extra): torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "b": torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g),
+            "c": torch.randn((), generator=g),
+        }
+        specs = [
+            (n, TORCH_TO_TAG[t.dtype], tuple(t.shape), t.numel() * DTYPES[TORCH_TO_TAG[t.dtype]][1])
+            for n, t in ts.items()
+        ]
+        head, offs = header_bytes(specs, {"format": "pt", "k": "v"}, align)
+        assert len(head) % align == 0
+        assert offs == [0, 30, 37]
+        p = tmp_path / f"x{extra}.safetensors"
+        p.write_bytes(head + b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in ts.values()))
+        with safe_open(p, "pt") as f:
+            assert f.metadata() == {"format": "pt", "k": "v"}
+            for n, t in ts.items():
+                got = f.get_tensor(n)
+                assert got.dtype == t.dtype and torch.equal(
+                    got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                )

@@ -90,6 +90,8 @@ def format_line(result) -> str:
             "copied": f"W4A4, input scales copied from {getattr(o, 'input_scales_from', None)}",
         }[mode]
         return f"NVFP4 {act}; {recipe} recipe"
+    if o is not None and not o.layout and result.scheme == "bf16":
+        return "BF16, the source's quantized tensors decoded (nothing quantized)"
     return "BF16 (nothing quantized)"
 
 
@@ -267,10 +269,26 @@ def nvfp4(input_mode, input_scale, input_scales_from, **kw):
 @LAYOUT
 @handle_errors
 def bf16(**kw):
-    """Copy SRC to DST in BF16, with MoE experts pre-shuffled (use with --layout flashinfer-trtllm)."""
-    if not kw.get("layout"):
-        raise click.UsageError("qconvert bf16 only re-lays out experts: pass --layout flashinfer-trtllm")
+    """Decode a quantized SRC (MXFP4 gpt-oss, FP8 block-scaled) to a BF16 checkpoint at DST; or, with
+    --layout flashinfer-trtllm, copy a BF16 SRC with its MoE experts pre-shuffled."""
+    if not kw.get("layout") and not _declares_quantization(kw["src"]):
+        raise click.UsageError(
+            "qconvert bf16 decodes quantized checkpoints (MXFP4, FP8 block-scaled), and SRC declares no "
+            "quantization_config; to re-lay out a BF16 checkpoint's experts pass --layout flashinfer-trtllm"
+        )
     _run_convert("bf16", **kw)
+
+
+def _declares_quantization(src: str) -> bool:
+    """False only for a local SRC whose config.json holds no ``quantization_config`` (read before
+    torch loads; anything else, a Hub id included, is decided by the library)."""
+    import json
+
+    cfg = Path(src).expanduser() / "config.json"
+    try:
+        return "quantization_config" in json.loads(cfg.read_text())
+    except (OSError, ValueError, TypeError):
+        return True
 
 
 @click.command()

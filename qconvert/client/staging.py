@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import stat
-import struct
 import time
 import uuid
 from collections.abc import Iterable
@@ -43,7 +42,7 @@ from pathlib import Path
 import torch
 
 from qconvert.convert.checkpoint import INDEX_NAME as INDEX
-from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, sha256_file
+from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, header_bytes, sha256_file
 from qconvert.errors import QConvertError
 from qconvert.formats import staging as fs
 from qconvert.formats.staging import (  # noqa: F401  (the on-disk facts live there, once)
@@ -163,19 +162,6 @@ def _pack(sizes: list[tuple[str, int]]) -> list[list[str]]:
     return files
 
 
-def _header_bytes(specs: list[tuple[str, str, tuple[int, ...], int]], fmt: str = FORMAT) -> tuple[bytes, list[int]]:
-    """safetensors header for (name, tag, shape, nbytes) in order, padded so data starts at 256."""
-    hdr: dict = {"__metadata__": {"format": "pt", "qconvert": fmt}}
-    offsets, off = [], 0
-    for name, tag, shape, nbytes in specs:
-        hdr[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-        offsets.append(off)
-        off += nbytes
-    raw = json.dumps(hdr, separators=(",", ":")).encode()
-    raw += b" " * ((-(8 + len(raw))) % ALIGN)
-    return struct.pack("<Q", len(raw)) + raw, offsets
-
-
 def _open_private(path: Path):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.fchmod(fd, 0o600)
@@ -290,7 +276,7 @@ class StagingWriter:
                 else f"g{gidx:05d}-tp{rank[0]}-ep{rank[1]}-{k:02d}.safetensors"
             )
             specs = [(n, by_name[n][0], by_name[n][1], by_name[n][2].nbytes) for n in names]
-            head, offs = _header_bytes(specs)
+            head, offs = header_bytes(specs, {"format": "pt", "qconvert": FORMAT}, ALIGN)
             h = hashlib.sha256(head)
             with _open_private(self.tmp / fname) as f:
                 f.write(head)
@@ -691,7 +677,9 @@ def pack_v2(
     parts = [p for p in parts if p] + [[n] for n in odd]
     out = []
     for part, names in enumerate(parts):
-        head, offs = _header_bytes([(n, *meta[n], size[n]) for n in names], fs.FORMAT_V2)
+        head, offs = header_bytes(
+            [(n, *meta[n], size[n]) for n in names], {"format": "pt", "qconvert": fs.FORMAT_V2}, ALIGN
+        )
         specs = {n: fs.TensorSpec(meta[n][0], meta[n][1], len(head) + off) for n, off in zip(names, offs)}
         out.append(
             (fs.FileSpec(fs.file_name(group, part, rank), len(head) + sum(size[n] for n in names), rank, specs), head)

@@ -442,9 +442,13 @@ def open_checkpoint(
     return ck
 
 
-def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = False) -> Checkpoint:
+def load_checkpoint(
+    src: str, allow_download: bool = True, allow_pickle: bool = False, decode: bool = False
+) -> Checkpoint:
     """What convert reads: SRC resolved (directory or Hub id), read strictly (:func:`open_checkpoint`),
-    not already quantized, with the files copied verbatim into the output."""
+    not already quantized, with the files copied verbatim into the output. ``decode``: an MXFP4
+    source is checked but not refused (``qconvert bf16`` and ``verify`` decode it,
+    docs/formats.md#quantized-sources-decoded-to-bf16)."""
     root, rev = resolve_source(src, allow_download)
     ck = open_checkpoint(root, strict=True, hub=rev is not None)
     config = ck.config
@@ -452,10 +456,13 @@ def load_checkpoint(src: str, allow_download: bool = True, allow_pickle: bool = 
     from .fp8_source import declaration
 
     # an MXFP4 source (gpt-oss): bad tensors named, then refused (docs/formats.md#mxfp4-sources)
-    mxfp4_source.check(config, {n: (e.dtype, e.shape) for n, e in ck.tensors.items()}, ck.root / CONFIG_NAME)
-    declaration(
-        config, ck.root / CONFIG_NAME
-    )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
+    inventory = {n: (e.dtype, e.shape) for n, e in ck.tensors.items()}
+    if not decode:
+        mxfp4_source.check(config, inventory, ck.root / CONFIG_NAME)
+    if mxfp4_source.detect(config, inventory, ck.root / CONFIG_NAME) is None:
+        declaration(
+            config, ck.root / CONFIG_NAME
+        )  # raises unless BF16 or FP8 block-scaled (docs/formats.md#fp8-block-sources)
     dirs: list[Path] = []
     extra = ck.extra_files(dirs)
     return Checkpoint(

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import OutputError, QConvertError
 from ..formats import dialects
-from . import destination, fp8_source, fused, kernels
+from . import decode, destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
 from .jobs import BuiltJobs, build_jobs, plan_rows
@@ -55,12 +55,20 @@ def convert(
 
 def prepare(src: str, opts: ConvertOptions) -> tuple[Checkpoint, Plan, str, BuiltJobs]:
     """Resolve and plan: the checkpoint, its plan, the dialect and the jobs."""
-    ckpt = load_checkpoint(src)
+    to_bf16 = opts.scheme == "bf16"
+    ckpt = load_checkpoint(src, decode=to_bf16)
+    if to_bf16 and not opts.layout:  # a quantized source decoded to BF16 (decode.py)
+        plan, built = decode.prepare(ckpt, opts)
+        return ckpt, plan, dialects.resolve_dialect(opts.scheme, opts.dialect), built
     inventory = {n: (e.dtype, e.shape) for n, e in ckpt.tensors.items()}
+    if to_bf16 and decode.source_of(ckpt.config, inventory, ckpt.root / "config.json")[0] is not None:
+        raise QConvertError(
+            f"{ckpt.root}: a quantized checkpoint; --layout re-lays out BF16 experts: decode it first "
+            "(qconvert bf16 SRC DECODED, without --layout), then lay out DECODED "
+            "(docs/formats.md#quantized-sources-decoded-to-bf16)"
+        )
     qsrc = fp8_source.detect(ckpt.config, inventory, ckpt.root / "config.json")
     if qsrc is not None:  # FP8 block-scaled source: planned as BF16, decoded by the jobs
-        if opts.scheme not in ("mxfp8", "nvfp4"):
-            raise QConvertError(f"{ckpt.root}: an FP8 block-scaled source converts to mxfp8 or nvfp4 only")
         inventory = qsrc.logical_inventory(inventory)
     # fused expert tensors planned as their per-expert matrices (fused.py)
     inventory, views = fused.expand(inventory, ckpt.config, ckpt.root / "config.json")
@@ -121,6 +129,8 @@ def _convert(read_src: str, src: str, dst, opts: ConvertOptions, t0: float) -> C
     tmp = part.dir
     try:
         input_sha, output_sha = Runner(ckpt, jobs, tmp, opts, bytes_in, journal=part).run()
+        if isinstance(built.source, decode.DecodedSource):  # rounded counts of resumed shards, the notes
+            result.notes.extend(built.source.finish(fp8_source.scale_reader(ckpt)))
         write_metadata(
             ckpt,
             plan,

@@ -105,15 +105,7 @@ class Fp8BlockSource:
         def fn(src):
             view = {n: t for n, t in src.items() if n not in scales.values()}
             for n in fp8:
-                s = src[scales[n]]
-                bad = fp8_block.bad_scale_blocks(s)
-                if len(bad):
-                    r, c = bad[0].tolist()
-                    raise CheckpointError(
-                        f"tensor {scales[n]!r}: block [{r}, {c}] scale is {float(s[r, c])!r}; a "
-                        "block decode scale must be finite and >= 0: the checkpoint is corrupt, "
-                        "re-download it"
-                    )
+                s = checked_scale(scales[n], src[scales[n]])
                 x = fp8_block.dequantize(src[n], s, block)
                 view[n] = x.to(torch.bfloat16) if job.fmt == "bf16" else x
             out = inner(view)
@@ -180,7 +172,7 @@ class Fp8BlockSource:
 
     def label(self) -> str:
         """The form and block as the notes, inspect and the card name them."""
-        return _label(self.form, list(self.block))
+        return form_label(self.form, list(self.block))
 
     def manifest(self) -> dict:
         return {
@@ -191,6 +183,19 @@ class Fp8BlockSource:
             "lossless_blocks": dict(self.partial),
             "path_codes": dict(PATHS),
         }
+
+
+def checked_scale(sname: str, s: torch.Tensor) -> torch.Tensor:
+    """``s`` (block scale tensor ``sname``), refused in one line naming the block if a scale is not
+    finite or negative."""
+    bad = fp8_block.bad_scale_blocks(s)
+    if len(bad):
+        r, c = bad[0].tolist()
+        raise CheckpointError(
+            f"tensor {sname!r}: block [{r}, {c}] scale is {float(s[r, c])!r}; a block decode scale must be "
+            "finite and >= 0: the checkpoint is corrupt, re-download it"
+        )
+    return s
 
 
 def scale_reader(ckpt):
@@ -456,11 +461,11 @@ def summarize(quantized: dict | None) -> str | None:
         key = {"lossless-rceil": "lossless", "lossless-partial": "partly lossless"}.get(str(v), str(v))
         count[key] = count.get(key, 0) + 1
     parts = ", ".join(f"{n} {k}" for k, n in sorted(count.items(), key=lambda kv: -kv[1]))
-    label = _label(str(quantized.get("form") or DEEPSEEK), quantized.get("weight_block_size"))
+    label = form_label(str(quantized.get("form") or DEEPSEEK), quantized.get("weight_block_size"))
     return f"FP8 block-scaled ({label}): {parts or 'no tensors'}"
 
 
-def _label(form: str, block) -> str:
+def form_label(form: str, block) -> str:
     if form == COMPRESSED_TENSORS:
         return f"compressed-tensors, {BLOCK_KEYS[form]} {block}"
     return f"{BLOCK_KEYS[DEEPSEEK]} {block}"

@@ -43,8 +43,9 @@ PER_EXPERT_ARCHS = frozenset(
 )
 #: architectures refused, and why (docs/formats.md#fused-expert-tensors)
 REFUSED_ARCHS = {
-    "GptOssForCausalLM": "gpt-oss interleaves gate and up (even/odd columns) with biases and engines load its fused "
-    "names only, in their own MXFP4 format",
+    "GptOssForCausalLM": "gpt-oss experts (gate and up interleaved, with biases) load in no engine as NVFP4 or MXFP8 "
+    "(docs/formats.md#gpt-oss-quantized-forms); serve the BF16 checkpoint as it is (vLLM reads its fused names, and "
+    "its online --quantization fp8/mxfp8 keeps the biases)",
     "Llama4ForConditionalGeneration": "Llama 4's fused experts are not supported yet (not run in an engine here); "
     "split them per expert first",
     "Llama4ForCausalLM": "Llama 4's fused experts are not supported yet (not run in an engine here); "
@@ -129,6 +130,13 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
     both, and orientations that differ within the checkpoint."""
     where = str(config_path) if config_path else "config.json"
     fused = fused_names(inventory)
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs and isinstance(archs[0], str) else "<none>"
+    if fused and arch in REFUSED_ARCHS:  # before its other tensors under experts (gpt-oss's biases)
+        raise FusedError(
+            Refusal.REFUSED_ARCH,
+            f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section",
+        )
     for n, (_, shape) in inventory.items():
         m = _UNDER_EXPERTS_RE.match(n)
         if m and n not in fused and len(tuple(shape)) >= 2:
@@ -140,13 +148,6 @@ def expand(inventory: dict, config: dict, config_path=None) -> tuple[dict, dict[
             )
     if not fused:
         return inventory, {}
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs and isinstance(archs[0], str) else "<none>"
-    if arch in REFUSED_ARCHS:
-        raise FusedError(
-            Refusal.REFUSED_ARCH,
-            f"tensor {fused[0]!r}: {REFUSED_ARCHS[arch]} ({arch}); see the README's fused-expert section",
-        )
     if arch not in PER_EXPERT_ARCHS:
         raise FusedError(
             Refusal.UNKNOWN_ARCH,

@@ -464,7 +464,8 @@ def plan_rows(ckpt: Checkpoint, plan: Plan, jobs: list[Job]) -> list[PlanRow]:
 
     rows = []
     for j in (part for job in jobs for part in (job.parts or [job])):
-        tp = plan.tensors[j.sources[0]]
+        # a decoded MXFP4 pair (decode.py) is planned under its output's name, not its sources'
+        tp = plan.tensors.get(j.sources[0]) or plan.tensors[j.outputs[0].name]
         rows.append(
             PlanRow(
                 tp.module or tp.name,

@@ -13,6 +13,7 @@ from .. import __version__
 from ..formats import dialects
 from ..formats import manifest as _manifest
 from ..formats.manifest import MANIFEST_NAME
+from ..formats.schemes import BF16
 from . import resume as _resume
 from .checkpoint import INDEX_NAME, Checkpoint
 from .jobs import Job, out_nbytes, source_for_outputs
@@ -39,7 +40,7 @@ def write_metadata(
     created: str | None = None,
     source=None,
 ):
-    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource), or None."""
+    """``source``: the quantized source the jobs decoded (fp8_source.Fp8BlockSource, decode.DecodedSource), or None."""
     config, extra = output_config(ckpt.config, plan, scheme, dialect, opts)
     _write_json(tmp / "config.json", config)
     for fname, obj in extra.items():
@@ -131,6 +132,8 @@ def output_config(config: dict, plan: Plan, scheme: str, dialect: str, opts: Con
     """(config.json of the output: the source's with the dialect's ``quantization_config``, the
     dialect's extra files {name: JSON object})."""
     config = dict(config)
+    if scheme == BF16:  # nothing quantized: a quantized source's declaration goes (decode.py)
+        config.pop("quantization_config", None)
     qcfg, extra = dialects.quant_config(scheme, dialect, plan.exclusions, opts.input_mode)
     if qcfg is not None:
         config["quantization_config"] = qcfg

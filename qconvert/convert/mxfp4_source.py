@@ -8,6 +8,8 @@ with ``…down_proj_scales`` [E, H, I/32], and BF16 ``…_bias`` tensors beside 
 * :func:`detect` pairs every ``*_blocks`` with its ``*_scales`` from the headers alone and refuses,
   with one line naming the tensor, a scale grid that does not match its blocks, non-U8 tensors, and a
   fused gate/up with an odd row count (or one that is not 2 x ``intermediate_size``);
+* :meth:`Mxfp4Source.logical_inventory` / :func:`decode_bf16`: the BF16 tensors the pairs decode to
+  (``qconvert bf16 SRC DST``, docs/formats.md#quantized-sources-decoded-to-bf16);
 * :func:`to_nvfp4` / :func:`to_mxfp8` are the per-tensor casts of such a pair (numerics/mxfp4.py),
   refusing NaN scale bytes (0xFF) with the tensor and block named; NVFP4 uses one exponent ``k_max``
   per expert, shared by its interleaved gate and up rows;
@@ -48,6 +50,15 @@ class Refusal(enum.Enum):
 class Mxfp4Source:
     #: logical tensor (``…experts.gate_up_proj``) -> (blocks name, scales name)
     pairs: dict[str, tuple[str, str]]
+
+    def logical_inventory(self, inventory: dict) -> dict:
+        """``inventory`` (name -> (dtype tag, shape)) with each pair replaced by the BF16 tensor it
+        decodes to (:func:`decoded_shape`), under the pair's base name; other tensors as they are."""
+        paired = {n for pair in self.pairs.values() for n in pair}
+        out = {n: v for n, v in inventory.items() if n not in paired}
+        for base, (bname, _) in self.pairs.items():
+            out[base] = ("BF16", decoded_shape(base, inventory[bname][1]))
+        return out
 
 
 def declared(config: dict) -> bool:
@@ -139,6 +150,50 @@ def to_nvfp4(name: str, blocks: torch.Tensor, scales: torch.Tensor):
         torch.stack([p[2] for p in parts]),
         torch.stack([p[3] for p in parts]),
     )
+
+
+def decoded_shape(base: str, blocks_shape) -> tuple[int, ...]:
+    """The BF16 shape a pair decodes to, as transformers' gpt-oss dequantize gives it
+    (docs/formats.md#mxfp4-sources): blocks [E, N, K/32, 16] -> [E, K, N] (each expert's matrix
+    transposed to [in, out]). Only 4-D blocks (per-expert stacks) have that form."""
+    shape = list(blocks_shape)
+    if len(shape) != 4:
+        raise CheckpointError(
+            f"tensor {base + BLOCKS_SUFFIX!r} has shape {shape}; qconvert decodes gpt-oss expert stacks "
+            f"[E, N, K/32, {BLOCK_BYTES}] only"
+        )
+    e, n, g, _ = shape
+    return (e, g * mxfp4.MXFP4_BLOCK, n)
+
+
+def decode_bf16(name: str, blocks: torch.Tensor, scales: torch.Tensor, workers: int = 1) -> tuple[torch.Tensor, int]:
+    """``(bf16 [E, K, N], inexact)``: logical tensor ``name``'s pair decoded in fp32 and rounded to
+    BF16, expert by expert (memory: the output and one expert in fp32), in transformers' gpt-oss
+    orientation (:func:`decoded_shape`). ``inexact``: elements whose BF16 differs from the fp32 decode,
+    counted, not assumed (E2M1 x 2^k has at most two significant bits, so BF16 holds every finite
+    value, its subnormals included). Refuses a 0xFF scale byte and a block that decodes beyond the
+    fp32/BF16 range (byte 254 with an element of magnitude 2 or more), naming the tensor and block."""
+    from .numerics.pool import run_all
+
+    packed, e8m0 = _checked(name, blocks, scales)
+    e, n, k = packed.shape[0], packed.shape[1], e8m0.shape[-1] * mxfp4.MXFP4_BLOCK
+    out = torch.empty((e, k, n), dtype=torch.bfloat16)
+
+    def one(i: int) -> int:
+        x = mxfp4.mxfp4_decode(packed[i], e8m0[i])  # [N, K] fp32, exact
+        inf = torch.isinf(x)
+        if bool(inf.any()):
+            r, c = (int(v) for v in inf.nonzero()[0])
+            raise CheckpointError(
+                f"tensor {name + BLOCKS_SUFFIX!r}: block [{i}, {r}, {c // mxfp4.MXFP4_BLOCK}] decodes beyond the "
+                f"BF16 range (scale byte {int(e8m0[i, r, c // mxfp4.MXFP4_BLOCK])}, an element of magnitude "
+                "2 or more): the checkpoint is corrupt, re-download it"
+            )
+        b = x.to(torch.bfloat16)
+        out[i].copy_(b.t())
+        return int((b.float().view(torch.int32) != x.view(torch.int32)).sum())
+
+    return out, sum(run_all(max(1, workers), [(one, i) for i in range(e)]))
 
 
 def refusal(source: Mxfp4Source, where, code: Refusal = Refusal.NO_ENGINE_FORM) -> CheckpointError:

@@ -54,6 +54,8 @@ class Reason(enum.Enum):
     LINEAR = "linear"
     FUSED_WITH = "fused with {module} ({why})"  # kept because a fused-group member is kept
     EXPERTS_OF_LAYER = "experts of this layer stay BF16 ({name}: {why})"  # kept because another expert is
+    DECODED = "decoded to BF16 from {what}"  # qconvert bf16 of a quantized source (decode.py)
+    SOURCE_FLOAT = "not quantized in the source: copied"  # qconvert bf16 of a quantized source (decode.py)
 
 
 #: reasons a conversion summary calls out: a weight kept that the user did not ask to keep

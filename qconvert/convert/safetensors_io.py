@@ -24,30 +24,36 @@ import stat
 import struct
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError, OutputError
+from ..formats.safetensors import DTYPE_SIZES
 
-#: safetensors dtype tag -> (torch dtype, itemsize)
+#: safetensors dtype tag -> (torch dtype, itemsize): the tags qconvert reads and writes, with their
+#: sizes from the one table (qconvert/formats/safetensors.py)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BF16": (torch.bfloat16, 2),
-    "F16": (torch.float16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "I16": (torch.int16, 2),
-    "I32": (torch.int32, 4),
-    "I64": (torch.int64, 8),
-    "BOOL": (torch.bool, 1),
+    tag: (dt, DTYPE_SIZES[tag])
+    for tag, dt in (
+        ("BF16", torch.bfloat16),
+        ("F16", torch.float16),
+        ("F32", torch.float32),
+        ("F64", torch.float64),
+        ("F8_E4M3", torch.float8_e4m3fn),
+        ("F8_E5M2", torch.float8_e5m2),
+        ("I8", torch.int8),
+        ("U8", torch.uint8),
+        ("I16", torch.int16),
+        ("I32", torch.int32),
+        ("I64", torch.int64),
+        ("BOOL", torch.bool),
+    )
 }
 if hasattr(torch, "float8_e8m0fnu"):
-    DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, 1)
+    DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, DTYPE_SIZES["F8_E8M0"])
 TORCH_TO_TAG = {v[0]: k for k, v in DTYPES.items()}
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -475,6 +481,25 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def header_bytes(
+    specs: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str], align: int = ALIGN
+) -> tuple[bytes, list[int]]:
+    """The safetensors header (8-byte little-endian length, then the JSON) of a file holding
+    (name, dtype tag, shape, nbytes) back to back in that order, with ``metadata`` as its
+    ``__metadata__``; the JSON is padded with spaces so that the data starts at a multiple of
+    ``align`` (8 for the converter's shards, 256 for staging areas). Returns it with each tensor's
+    offset from the start of the data. The one header writer of qconvert."""
+    hdr: dict = {"__metadata__": dict(metadata)}
+    offsets, off = [], 0
+    for name, tag, shape, nbytes in specs:
+        hdr[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        offsets.append(off)
+        off += nbytes
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % align)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
 class ShardWriter:
     """Writes one safetensors file whose header is fixed up front; tensors arrive in any order."""
 
@@ -485,27 +510,23 @@ class ShardWriter:
         metadata: dict[str, str] | None = None,
     ):
         self.path = Path(path)
-        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-        off = 0
-        self._specs: dict = {}
+        planned: dict = {}  # name -> (torch dtype, tag, shape, nbytes)
         for name, dtype, shape in specs:
-            if name in self._specs:
+            if name in planned:
                 raise AssertionError(f"internal: tensor {name!r} planned twice in {self.path}")
             if dtype not in TORCH_TO_TAG:
                 raise OutputError(f"{self.path}: tensor {name!r} has dtype {dtype} that safetensors cannot store")
-            nbytes = math.prod(shape) * DTYPES[TORCH_TO_TAG[dtype]][1]
-            header[name] = {"dtype": TORCH_TO_TAG[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
-            self._specs[name] = (dtype, tuple(shape), off, nbytes)
-            off += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(len(raw)) % ALIGN)
-        self._data_start = 8 + len(raw)
-        self.size = self._data_start + off
+            tag = TORCH_TO_TAG[dtype]
+            planned[name] = (dtype, tag, tuple(shape), math.prod(shape) * DTYPES[tag][1])
+        head, offsets = header_bytes([(n, *p[1:]) for n, p in planned.items()], metadata or {"format": "pt"})
+        self._specs = {n: (p[0], p[2], off, p[3]) for (n, p), off in zip(planned.items(), offsets)}
+        self._data_start = len(head)
+        self.size = self._data_start + sum(p[3] for p in planned.values())
         self._pending = set(self._specs)
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # RDWR: read_back
             #: the file's first bytes (length prefix + JSON header), for callers that hash the file
-            self.header_bytes = struct.pack("<Q", len(raw)) + raw
+            self.header_bytes = head
             os.pwrite(self._fd, self.header_bytes, 0)
         except OSError as e:
             raise OutputError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions") from None

@@ -217,18 +217,37 @@ def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor, out: torch.Tens
 
         got = dequant_mxfp8_to_bf16(w, scales)
         return got if out is None else out.copy_(got)
-    lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
     descale = torch.exp2(scales.to(torch.float32) - 127.0).to(torch.bfloat16)
     if out is None:
         out = torch.empty(w.shape, dtype=torch.bfloat16)
     elif out.dtype != torch.bfloat16 or out.shape != w.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous BF16 of shape {tuple(w.shape)}")
-    codes = w.view(torch.uint8)
+    # two codes per lookup: the 16 bits of a pair of E4M3 bytes index a table of their two BF16
+    # values (65536 x 4 bytes, cache-resident), 2.5x faster than one byte per lookup on CPU; the
+    # index buffer is allocated once per call, not per expert (fresh pages fault on first touch)
+    pairs = w.view(torch.uint8).reshape(w.shape[0], -1).view(torch.int16)
+    idx = torch.empty(pairs.shape[1], dtype=torch.int32)
+    lut = _e4m3_pair_table()
     for e in range(w.shape[0]):
         o = out[e]
-        torch.index_select(lut, 0, codes[e].reshape(-1).to(torch.int32), out=o.view(-1))
+        idx.copy_(pairs[e]).bitwise_and_(0xFFFF)  # int16 -> the pair's unsigned 16 bits
+        torch.index_select(lut, 0, idx, out=o.view(-1).view(torch.int32))
         o.view(*o.shape[:-1], -1, 32).mul_(descale[e].unsqueeze(-1))
     return out
+
+
+_PAIR_TABLE: torch.Tensor | None = None
+
+
+def _e4m3_pair_table() -> torch.Tensor:
+    """int32 table over the 65536 values of two E4M3 bytes read as one native 16-bit integer: the
+    int32 whose two BF16 halves are the two bytes' values, in memory order (built once)."""
+    global _PAIR_TABLE
+    if _PAIR_TABLE is None:
+        one = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+        pair = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2)
+        _PAIR_TABLE = one[pair.to(torch.int64)].contiguous().view(torch.int32).view(-1)
+    return _PAIR_TABLE
 
 
 def refresh_mxfp8_experts(layer) -> None:

@@ -27,12 +27,22 @@ One pass: the direct modules are marked so that ``initialize_layerwise_reload`` 
 their parameters are swapped for views of the kernel storage carrying the attributes vLLM recorded
 at model build (``weight_loader``, shard dims), ``model.load_weights`` runs over every tensor, the
 kernel parameters are put back and ``finalize_layerwise_reload`` finishes the layerwise ones.
+
+Replay (:class:`CopyPlan`): the first direct load of an area layout runs under a dispatch mode that
+records every ``copy_`` from a staged tensor into a direct module's served storage (source and
+destination as storage offset, sizes and strides). A tensor whose only uses in that load were such
+copies is then, in the next loads of the same layout into the same served tensors, copied straight
+to its recorded destinations without ``load_weights`` (no name mapping, no per-tensor weight-loader
+Python); every other tensor still goes through ``load_weights`` in the same pass. A recording in
+which a direct module's storage is written by anything but a copy from a staged view, or a tensor
+both copied there and used otherwise, gives no plan (every load then runs as the first).
 """
 
 from __future__ import annotations
 
 import enum
 import inspect
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 
@@ -47,6 +57,11 @@ LAYERWISE_WRAPPER = "online_process_loader"
 DEFERRED_KEY = "direct-deferred"
 #: Server environment variable: ``0`` turns the direct load off (every load layerwise, as before).
 DIRECT_ENV = "QCONVERT_DIRECT_RELOAD"
+#: ``plan`` of a direct load's result: the copy plan was recorded by this load, replayed, or refused
+PLAN_RECORDED = "recorded"
+PLAN_REPLAYED = "replayed"
+#: key of the module counts: tensors this load copied by the replayed plan (not through load_weights)
+PLANNED_KEY = "planned-tensors"
 
 
 def direct_enabled() -> bool:
@@ -195,11 +210,157 @@ def _direct_modules(direct: list[torch.nn.Module]):
             get_layerwise_info(m).reset()  # finalize_layerwise_reload passes it by
 
 
-def load_direct(model: torch.nn.Module, model_config, weights, forms: dict) -> dict:
+# ------------------------------------------------------------------------------- copy plan
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _served(direct: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(module, name, served parameter) of every parameter of the direct modules."""
+    return [(m, n, p) for m in direct for n, p in m._parameters.items() if p is not None]
+
+
+def _served_signature(direct: list[torch.nn.Module]) -> tuple:
+    return tuple((id(m), n, p.untyped_storage().data_ptr(), p.dtype, *_geometry(p)) for m, n, p in _served(direct))
+
+
+class CopyPlan:
+    """Where each staged tensor of one area layout goes in the direct modules' served storage,
+    recorded from a real load (see the module docstring). Holds no reference into the area."""
+
+    def __init__(self, key: tuple, copies: dict[str, list[tuple[torch.Tensor, tuple]]]):
+        self.key = key
+        #: tensor name -> [(destination view of served storage, source (sizes, strides, offset))]
+        self.copies = copies
+
+    def feed(self, weights, counts: Counter):
+        """``weights`` less the planned tensors, which are copied to their destinations on the way."""
+        for name, t in weights:
+            dsts = self.copies.get(name)
+            if dsts is None:
+                yield name, t
+                continue
+            for dst, (size, stride, offset) in dsts:
+                dst.copy_(torch.as_strided(t, size, stride, offset))
+            counts[PLANNED_KEY] += 1
+
+
+class _Recorder:
+    """Dispatch mode over the first load of a layout (see :class:`CopyPlan`)."""
+
+    def __init__(self, served: list[tuple[torch.nn.Module, str, torch.Tensor]]):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.dst_of = {p.untyped_storage().data_ptr(): p for _, _, p in served}
+        # per staged storage: start byte offsets (ascending) and (end, name, dtype) of its tensors
+        self.starts: dict[int, list[int]] = {}
+        self.tensors: dict[int, list[tuple[int, str, torch.dtype]]] = {}
+        self.copies: dict[str, list[tuple[torch.Tensor, tuple]]] = {}
+        self.other: set[str] = set()
+        self.refused: str | None = None
+        rec = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                rec.see(func, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def watch(self, weights):
+        """``weights`` unchanged, each tensor's byte range noted (they come in offset order per file)."""
+        for name, t in weights:
+            key = _storage_key(t)
+            start = t.storage_offset() * t.element_size()
+            starts = self.starts.setdefault(key, []) if key is not None else [start]
+            if t.nbytes and (not starts or start > starts[-1]):
+                starts.append(start)
+                self.tensors.setdefault(key, []).append((start + t.nbytes, name, t.dtype))
+            yield name, t
+
+    def _source(self, t) -> tuple[str | None, bool] | None:
+        """None when ``t`` is not a view of a staged file; else (the staged tensor it lies in, or
+        None; whether it has that tensor's dtype)."""
+        import bisect
+
+        starts = self.starts.get(_storage_key(t))
+        if not starts:
+            return None
+        at = t.storage_offset() * t.element_size()
+        i = bisect.bisect_right(starts, at) - 1
+        if i < 0:
+            return None, False
+        end, name, dtype = self.tensors[_storage_key(t)][i]
+        return (name, dtype == t.dtype) if at < end else (None, False)
+
+    def see(self, func, args, kwargs) -> None:
+        import torch.utils._pytree as pytree
+
+        if self.refused is not None:
+            return
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            got = self._source(src)
+            served = self.dst_of.get(_storage_key(dst))
+            if served is None:
+                if got is not None and got[0] is not None:
+                    self.other.add(got[0])
+                return
+            if got is None or got[0] is None or not got[1] or dst.dtype != served.dtype:
+                self.refused = "direct-write-not-a-staged-copy"
+                return
+            self.copies.setdefault(got[0], []).append((dst, _geometry(src)))
+            return
+        if func.is_view:
+            return
+        for t in pytree.arg_tree_leaves(*args, **kwargs):
+            got = self._source(t) if isinstance(t, torch.Tensor) else None
+            if got is not None and got[0] is not None:
+                self.other.add(got[0])
+        written = [
+            a
+            for a, arg in zip(args, func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
+        ]
+        written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
+        if any(_storage_key(t) in self.dst_of for t in written):
+            self.refused = f"direct-write-by-{func}"
+
+    def plan(self, key: tuple) -> tuple[CopyPlan | None, str | None]:
+        if self.refused is not None:
+            return None, self.refused
+        if any(n in self.other for n in self.copies):
+            return None, "staged-tensor-copied-and-used-otherwise"
+        copies = {
+            name: [(torch.as_strided(self.dst_of[_storage_key(d)].data, *_geometry(d)), g) for d, g in recs]
+            for name, recs in self.copies.items()
+        }
+        return CopyPlan(key, copies), None
+
+
+#: the copy plan of each served model (one per worker)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan_key(layout: tuple, direct: list[torch.nn.Module], forms: dict) -> tuple:
+    return (layout, tuple((id(m), forms[m][0]) for m in direct), _served_signature(direct))
+
+
+def load_direct(model: torch.nn.Module, model_config, weights, forms: dict, layout: tuple | None = None) -> dict:
     """One pass of ``model.load_weights`` over ``weights``: modules of a direct form receive their
     tensors in their served storage, the rest through vLLM's layerwise reload; then each direct
-    form's own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). Returns the
-    module counts (:func:`summary`)."""
+    form's own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). ``layout``
+    (hashable: the area's files and tensors with dtypes, shapes and offsets) enables the
+    :class:`CopyPlan`: recorded by the first load of a layout, replayed by the next. Returns the
+    module counts (:func:`summary`), the tensors the plan copied and ``plan`` (what happened to it)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -209,10 +370,27 @@ def load_direct(model: torch.nn.Module, model_config, weights, forms: dict) -> d
     from qconvert.engine import vllm_cpu_plugin
 
     direct = [m for m, (f, _) in forms.items() if f is not Form.LAYERWISE]
+    counts: Counter = Counter({PLANNED_KEY: 0})
+    key = _plan_key(layout, direct, forms) if layout is not None else None
+    known = _PLANS.get(model)
+    outcome = "off"
     with torch.no_grad():
         with _direct_modules(direct):
             initialize_layerwise_reload(model)
-            model.load_weights(weights)
+            if key is not None and known is not None and known.key == key:
+                model.load_weights(known.feed(weights, counts))
+                outcome = PLAN_REPLAYED
+            elif key is not None:
+                _PLANS.pop(model, None)
+                recorder = _Recorder(_served(direct))
+                with recorder.mode:
+                    model.load_weights(recorder.watch(weights))
+                got, refused = recorder.plan(key)
+                if got is not None:
+                    _PLANS[model] = got
+                outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"
+            else:
+                model.load_weights(weights)
             # a direct module whose loads went through vLLM's deferring wrapper would show buffered
             # loads, or a reset (processed) entry: counted, and held at 0 by tests/test_reload_direct.py
             deferred = sum(
@@ -222,7 +400,7 @@ def load_direct(model: torch.nn.Module, model_config, weights, forms: dict) -> d
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
-    return {**summary(forms), DEFERRED_KEY: deferred}
+    return {**summary(forms), DEFERRED_KEY: deferred, PLANNED_KEY: counts[PLANNED_KEY], "plan": outcome}
 
 
 def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tuple[dict | None, Why | None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 def repack_cpu_moe_after_reload(model) -> int:
     """Prepack the experts of every CPU unquantized MoE layer in place (vLLM 0.32 CPU); returns the
     number of layers. Only valid right after a reload that wrote every layer (what qconvert sends)."""
-    from vllm import _custom_ops as ops
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
@@ -29,12 +28,25 @@ def repack_cpu_moe_after_reload(model) -> int:
         if not isinstance(fe, CPUUnquantizedExperts) or getattr(fe, "_use_zentorch", False):
             continue
         for name in ("w13_weight", "w2_weight"):
-            p = getattr(m, name)
-            # the op writes a new tensor and only reads its input (vLLM passes the parameter itself):
-            # no clone of the input, one copy back into the parameter's storage
-            p.data.copy_(ops.cpu_prepack_moe_weight(p.data, fe.isa))
+            prepack_experts_in_place(getattr(m, name).data, fe.isa)
         n += 1
     return n
+
+
+def prepack_experts_in_place(w, isa: str) -> None:
+    """vLLM's CPU MoE prepack (``_custom_ops.cpu_prepack_moe_weight``) of the experts ``w``
+    [E, N, K], written back into ``w``'s storage (the served one). One expert at a time through a
+    scratch of one expert: the op packs each expert on its own (the same bytes as packing the whole
+    tensor at once, tests/test_reload_staged.py), and the whole-tensor form's fresh output of the
+    layer's size paid a first-touch page fault per page at every reload (about 2x slower)."""
+    import torch
+    from vllm import _custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    scratch = torch.empty((1, *w.shape[1:]), dtype=w.dtype, device=w.device)
+    for e in range(w.shape[0]):
+        # the op only reads its input and writes ``scratch``; then one copy back
+        torch.ops._C.prepack_moe_weight(w[e : e + 1], scratch, isa)
+        w[e : e + 1].copy_(scratch)
 
 
 class WorkerExtension:

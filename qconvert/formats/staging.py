@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconvert.errors import QConvertError
+from qconvert.formats.safetensors import DTYPE_SIZES  # noqa: F401  (the one table; re-exported)
 
 # ----------------------------------------------------------------------------- constants
 
@@ -54,26 +55,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_RE = re.compile(r"^g(?P<group>\d{5})(?:-tp(?P<tp>\d+)-ep(?P<ep>\d+))?-(?P<part>\d{2})\.safetensors$")
 EXTRA_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
-
-#: bytes per element of each safetensors dtype tag that may be staged
-DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 
 
 class StagingError(QConvertError):

@@ -1,0 +1,204 @@
+"""``qconvert bf16 SRC DST`` of a quantized source (docs/formats.md#quantized-sources-decoded-to-bf16).
+
+Oracles: for MXFP4 (gpt-oss), transformers itself: the source loaded with ``Mxfp4Config(dequantize=True)``
+against the output loaded as a plain BF16 checkpoint, every parameter bit for bit; for FP8 block
+sources, vLLM's ``scaled_dequantize`` (BF16 output) on sources made with vLLM's block quantizer, and
+compressed-tensors' own BF16 ``dequantize`` on sources its compressor wrote.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import have
+from test_convert_e2e import load_dir
+from test_hostile_convert import assert_one_line, cli
+
+from qconvert.convert.demo import build_gpt_oss_mxfp4
+from qconvert.convert.numerics import fp8_block
+from qconvert.convert.pipeline import ConvertOptions, convert
+from qconvert.convert.plan import PlanOptions
+
+DOC = "docs/formats.md#gpt-oss-quantized-forms"
+GU0 = "model.layers.0.mlp.experts.gate_up_proj"
+DOWN0 = "model.layers.0.mlp.experts.down_proj"
+
+
+def _edge_exponents(config, t):
+    """Scale bytes at both ends of E8M0: 0..3 (BF16 subnormal and smallest normal results) on one
+    expert, 254 (2^127) with elements of magnitude <= 1.5 on another (the largest finite values)."""
+    s = t[DOWN0 + "_scales"]
+    g = torch.Generator().manual_seed(1)
+    s[0] = torch.randint(0, 4, s[0].shape, generator=g).to(torch.uint8)
+    s[1] = 254
+    t[DOWN0 + "_blocks"][1] &= 0xBB  # each nibble's magnitude code <= 3 (1.5)
+
+
+def _bf16(src, dst, **kw):
+    return convert(
+        str(src), dst, "bf16", ConvertOptions(scheme="bf16", plan=PlanOptions(scheme="bf16"), progress=False, **kw)
+    )
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """(SRC, DST, result): the tiny gpt-oss MXFP4 checkpoint (35 exponents, edge bytes) and its decode."""
+    root = tmp_path_factory.mktemp("gptoss")
+    src = build_gpt_oss_mxfp4(root / "src", exponents=(-30, 4), mutate=_edge_exponents)
+    res = _bf16(src, root / "bf16")
+    return src, root / "bf16", res
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_gpt_oss_decode_equals_transformers_dequantize(gptoss):
+    if not have("transformers"):
+        pytest.skip("transformers not installed")
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    src, dst, _ = gptoss
+    ref = _params(
+        AutoModelForCausalLM.from_pretrained(
+            str(src), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+        )
+    )
+    ours = _params(AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.bfloat16))
+    assert ours.keys() == ref.keys()
+    for n, p in ref.items():
+        assert p.dtype == ours[n].dtype == torch.bfloat16, n
+        assert torch.equal(p.view(torch.int16), ours[n].view(torch.int16)), n
+    # the edge exponents are there: subnormal BF16 values and values of 2^127
+    d = ours[DOWN0].float()
+    assert bool(((d != 0) & (d.abs() < 2.0**-126)).any()) and float(d.abs().max()) == 1.5 * 2.0**127
+
+
+def test_gpt_oss_output_is_the_bf16_checkpoint(gptoss):
+    src, dst, res = gptoss
+    cfg, src_cfg = json.loads((dst / "config.json").read_text()), json.loads((src / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert {k: v for k, v in src_cfg.items() if k != "quantization_config"} == cfg
+    out, _ = load_dir(dst)
+    assert not any(n.endswith(("_blocks", "_scales")) for n in out)
+    assert out[GU0].shape == (4, 128, 128) and out[DOWN0].shape == (4, 64, 128)  # [E, H, 2I], [E, I, H]
+    assert all(t.dtype == torch.bfloat16 for t in out.values())
+    q = json.loads((dst / "qconvert.json").read_text())["source"]["quantized"]
+    assert q["kind"] == "mxfp4" and q["form"] == "gpt-oss" and q["decoded_to"] == "bf16" and q["lossless"] is True
+    assert set(q["tensor_paths"]) == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    }
+    assert set(q["tensor_paths"].values()) == {"exact"} and q["rounded_elements"] == {}
+    assert any("4 of 4 tensors exactly" in n for n in res.notes), res.notes
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    src_idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert idx[GU0] == src_idx[GU0 + "_blocks"]  # output shard i holds what input shard i held
+
+
+def test_gpt_oss_bf16_still_not_converted_to_mxfp8_nvfp4(gptoss, tmp_path):
+    """The decoded checkpoint is a BF16 gpt-oss: refused for the same engine reason as the MXFP4 one."""
+    _, dst, _ = gptoss
+    for scheme in ("mxfp8", "nvfp4"):
+        assert_one_line(cli(scheme, dst, tmp_path / scheme), 1, GU0, "gpt-oss", DOC)
+        assert not (tmp_path / scheme).exists()
+
+
+def test_dry_run_shows_the_decode_paths(gptoss):
+    src, _, _ = gptoss
+    r = cli("bf16", src, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(GU0 + " ") or ln.startswith("lm_head ")]
+    assert "decoded to BF16 from MXFP4" in rows[-1] and "[4, 128, 128]" in rows[-1]
+    assert "not quantized in the source: copied" in rows[0]
+    assert "MXFP4 (gpt-oss *_blocks/*_scales); 4 tensors decoded to BF16" in r.stdout
+
+
+def _overflow(config, t):
+    t[GU0 + "_scales"][2, 7, 1] = 254
+    t[GU0 + "_blocks"][2, 7, 1, 3] = 0x40  # an element of 2.0 x 2^127: beyond BF16
+
+
+def _nan_scale(config, t):
+    t[DOWN0 + "_scales"][3, 5, 0] = 0xFF
+
+
+@pytest.mark.parametrize(
+    "mutate,needles",
+    [
+        (_overflow, (GU0 + "_blocks", "[2, 7, 1]", "BF16 range")),
+        (_nan_scale, (DOWN0 + "_scales", "[3, 5, 0]", "0xFF")),
+    ],
+)
+def test_bad_blocks_refused_naming_the_tensor(tmp_path, mutate, needles):
+    src = build_gpt_oss_mxfp4(tmp_path / "src", mutate=mutate)
+    dst = tmp_path / "out"
+    assert_one_line(cli("bf16", src, dst), 1, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written, no partial directory
+
+
+def test_bf16_source_without_layout_is_a_usage_error(demo_dense, tmp_path):
+    r = cli("bf16", demo_dense, tmp_path / "out")
+    assert r.returncode != 0 and "--layout flashinfer-trtllm" in r.stderr and "quantization_config" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.vllm
+def test_fp8_block_decode_equals_vllm(demo_dense, tmp_path):
+    have("vllm")
+    from test_quantized_sources import make_fp8_source
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, scaled_dequantize
+
+    src, t = make_fp8_source(demo_dense, tmp_path / "src", pow2=("layers.0.",), keep_bf16=("layers.3.mlp",))
+    res = _bf16(src, tmp_path / "bf16")
+    out, _ = load_dir(tmp_path / "bf16")
+    q = json.loads((tmp_path / "bf16" / "qconvert.json").read_text())
+    man = q["source"]["quantized"]
+    assert man["kind"] == "fp8-block" and man["form"] == "deepseek" and man["weight_block_size"] == [128, 128]
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert not any(n.endswith("weight_scale_inv") for n in out)
+    fp8 = [n for n in t if n.endswith(".weight") and n[: -len("weight")] + "weight_scale_inv" in t]
+    assert set(man["tensor_paths"]) == set(fp8)
+    rounded = 0
+    for n in fp8:
+        s = t[n[: -len("weight")] + "weight_scale_inv"]
+        ref = scaled_dequantize(t[n], s, GroupShape(128, 128), out_dtype=torch.bfloat16)
+        assert out[n].dtype == torch.bfloat16 and torch.equal(out[n].view(torch.int16), ref.view(torch.int16)), n
+        f32 = scaled_dequantize(t[n], s, GroupShape(128, 128), out_dtype=torch.float32)
+        differ = int((ref.float() != f32).sum())
+        assert man["tensor_paths"][n] == ("rounded" if differ else "exact"), n
+        assert man["rounded_elements"].get(n, 0) == differ
+        assert q["tensors"][n[: -len(".weight")]]["source_path"] == man["tensor_paths"][n]
+        if bool(fp8_block.pow2_blocks(s).all()):
+            assert not differ, n  # power-of-two scales: E4M3 x 2^k is a BF16 value
+        rounded += bool(differ)
+    assert rounded and man["lossless"] is False  # vLLM's scales: the products need more than 8 bits
+    for n in t:  # every other tensor copied as it is
+        if n not in fp8 and not n.endswith("weight_scale_inv"):
+            assert torch.equal(out[n].view(torch.uint8), t[n].view(torch.uint8)), n
+    assert any(f"{len(fp8) - rounded} of {len(fp8)} tensors exactly" in n for n in res.notes), res.notes
+
+
+def test_ct_fp8_block_decode_equals_compressed_tensors(tmp_path):
+    if not have("compressed_tensors"):
+        pytest.skip("compressed-tensors not installed")
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from test_ct_fp8_sources import SIZES, ct_scheme, make_ct_source
+
+    from qconvert.convert.demo import build_demo_model
+
+    dense = build_demo_model(tmp_path / "dense", arch="qwen3", overrides=SIZES)
+    src, t = make_ct_source(dense, tmp_path / "src", pow2=("layers.0.self_attn",))
+    _bf16(src, tmp_path / "bf16")
+    out, _ = load_dir(tmp_path / "bf16")
+    man = json.loads((tmp_path / "bf16" / "qconvert.json").read_text())["source"]["quantized"]
+    assert man["form"] == "compressed-tensors"
+    n_exact = 0
+    for n in man["tensor_paths"]:
+        w, s = t[n], t[n[: -len("weight")] + "weight_scale"]
+        assert s.dtype == torch.bfloat16
+        ref = dequantize(w, s, args=ct_scheme().weights, dtype=torch.bfloat16)  # compressed-tensors' BF16 decode
+        assert torch.equal(out[n].view(torch.int16), ref.view(torch.int16)), n
+        n_exact += man["tensor_paths"][n] == "exact"
+    assert n_exact >= 4  # the power-of-two layer
