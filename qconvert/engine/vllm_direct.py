@@ -236,21 +236,19 @@ class CopyPlan:
     """Where each staged tensor of one area layout goes in the direct modules' served storage,
     recorded from a real load (see the module docstring). Holds no reference into the area."""
 
-    def __init__(self, key: tuple, copies: dict[str, list[tuple[torch.Tensor, tuple]]]):
+    def __init__(self, key: tuple, copies: dict[str, list[tuple[torch.Tensor, str, torch.dtype, tuple]]]):
         self.key = key
-        #: tensor name -> [(destination view of served storage, source (sizes, strides, offset))]
+        #: tensor name -> [(destination view of served storage, source file, dtype, (sizes, strides,
+        #: offset) in the file's mapping as that dtype)]
         self.copies = copies
 
-    def feed(self, weights, counts: Counter):
-        """``weights`` less the planned tensors, which are copied to their destinations on the way."""
-        for name, t in weights:
-            dsts = self.copies.get(name)
-            if dsts is None:
-                yield name, t
-                continue
-            for dst, (size, stride, offset) in dsts:
-                dst.copy_(torch.as_strided(t, size, stride, offset))
-            counts[PLANNED_KEY] += 1
+    def replay(self, staged) -> int:
+        """Copy the planned tensors of ``staged`` (vllm_staged.StagedTensors) to their places;
+        returns how many. Their views are made from the file mappings here, not by ``staged``."""
+        for recs in self.copies.values():
+            for dst, file, dtype, (size, stride, offset) in recs:
+                dst.copy_(torch.as_strided(staged.whole(file, dtype), size, stride, offset))
+        return len(self.copies)
 
 
 class _Recorder:
@@ -317,7 +315,7 @@ class _Recorder:
             if got is None or got[0] is None or not got[1] or dst.dtype != served.dtype:
                 self.refused = "direct-write-not-a-staged-copy"
                 return
-            self.copies.setdefault(got[0], []).append((dst, _geometry(src)))
+            self.copies.setdefault(got[0], []).append((dst, src.dtype, _geometry(src)))
             return
         if func.is_view:
             return
@@ -334,13 +332,16 @@ class _Recorder:
         if any(_storage_key(t) in self.dst_of for t in written):
             self.refused = f"direct-write-by-{func}"
 
-    def plan(self, key: tuple) -> tuple[CopyPlan | None, str | None]:
+    def plan(self, key: tuple, file_of) -> tuple[CopyPlan | None, str | None]:
         if self.refused is not None:
             return None, self.refused
         if any(n in self.other for n in self.copies):
             return None, "staged-tensor-copied-and-used-otherwise"
         copies = {
-            name: [(torch.as_strided(self.dst_of[_storage_key(d)].data, *_geometry(d)), g) for d, g in recs]
+            name: [
+                (torch.as_strided(self.dst_of[_storage_key(d)].data, *_geometry(d)), file_of(name), dtype, g)
+                for d, dtype, g in recs
+            ]
             for name, recs in self.copies.items()
         }
         return CopyPlan(key, copies), None
@@ -354,13 +355,14 @@ def _plan_key(layout: tuple, direct: list[torch.nn.Module], forms: dict) -> tupl
     return (layout, tuple((id(m), forms[m][0]) for m in direct), _served_signature(direct))
 
 
-def load_direct(model: torch.nn.Module, model_config, weights, forms: dict, layout: tuple | None = None) -> dict:
-    """One pass of ``model.load_weights`` over ``weights``: modules of a direct form receive their
-    tensors in their served storage, the rest through vLLM's layerwise reload; then each direct
-    form's own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). ``layout``
-    (hashable: the area's files and tensors with dtypes, shapes and offsets) enables the
-    :class:`CopyPlan`: recorded by the first load of a layout, replayed by the next. Returns the
-    module counts (:func:`summary`), the tensors the plan copied and ``plan`` (what happened to it)."""
+def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> dict:
+    """One pass of ``model.load_weights`` over ``staged`` (vllm_staged.StagedTensors, or any
+    iterable of (name, tensor)): modules of a direct form receive their tensors in their served
+    storage, the rest through vLLM's layerwise reload; then each direct form's own step
+    (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). A ``staged`` with a ``layout``
+    gets the :class:`CopyPlan`: recorded by the first load of a layout, replayed by the next.
+    Returns the module counts (:func:`summary`), the tensors the plan copied and ``plan`` (what
+    happened to it)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -370,27 +372,30 @@ def load_direct(model: torch.nn.Module, model_config, weights, forms: dict, layo
     from qconvert.engine import vllm_cpu_plugin
 
     direct = [m for m, (f, _) in forms.items() if f is not Form.LAYERWISE]
-    counts: Counter = Counter({PLANNED_KEY: 0})
+    layout = getattr(staged, "layout", None)
     key = _plan_key(layout, direct, forms) if layout is not None else None
     known = _PLANS.get(model)
-    outcome = "off"
+    outcome, planned = "off", 0
     with torch.no_grad():
         with _direct_modules(direct):
             initialize_layerwise_reload(model)
             if key is not None and known is not None and known.key == key:
-                model.load_weights(known.feed(weights, counts))
+                # the planned tensors' destinations are written by nothing else (CopyPlan), so
+                # they go first, then load_weights over the others
+                planned = known.replay(staged)
+                model.load_weights(staged.others(known.copies))
                 outcome = PLAN_REPLAYED
             elif key is not None:
                 _PLANS.pop(model, None)
                 recorder = _Recorder(_served(direct))
                 with recorder.mode:
-                    model.load_weights(recorder.watch(weights))
-                got, refused = recorder.plan(key)
+                    model.load_weights(recorder.watch(staged))
+                got, refused = recorder.plan(key, staged.file_of)
                 if got is not None:
                     _PLANS[model] = got
                 outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"
             else:
-                model.load_weights(weights)
+                model.load_weights(iter(staged))
             # a direct module whose loads went through vLLM's deferring wrapper would show buffered
             # loads, or a reset (processed) entry: counted, and held at 0 by tests/test_reload_direct.py
             deferred = sum(
@@ -400,7 +405,7 @@ def load_direct(model: torch.nn.Module, model_config, weights, forms: dict, layo
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
-    return {**summary(forms), DEFERRED_KEY: deferred, PLANNED_KEY: counts[PLANNED_KEY], "plan": outcome}
+    return {**summary(forms), DEFERRED_KEY: deferred, PLANNED_KEY: planned, "plan": outcome}
 
 
 def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tuple[dict | None, Why | None]:

@@ -56,6 +56,16 @@ class MappedFile:
 
     typed: dict | None = None  # dtype -> the mapping as that dtype (whole elements), made on first use
 
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mapping as a 1-D tensor of ``dtype`` (its whole elements), storage offset 0."""
+        if self.typed is None:
+            self.typed = {}
+        got = self.typed.get(dtype)
+        if got is None:
+            size = dtype.itemsize
+            got = self.typed[dtype] = self.base[: self.base.numel() // size * size].view(dtype)
+        return got
+
     def tensor(self, tname: str) -> torch.Tensor:
         from qconvert.convert.safetensors_io import DTYPES
 
@@ -67,13 +77,8 @@ class MappedFile:
         size = dtype.itemsize
         if t.offset % size:
             return self.base[t.offset : t.offset + nbytes].view(dtype).reshape(t.shape)
-        if self.typed is None:
-            self.typed = {}
-        whole = self.typed.get(dtype)
-        if whole is None:
-            whole = self.typed[dtype] = self.base[: self.base.numel() // size * size].view(dtype)
         # one view op per tensor (a slice, a dtype view and a reshape cost 3x as much per tensor)
-        return torch.as_strided(whole, t.shape, _contiguous_strides(t.shape), t.offset // size)
+        return torch.as_strided(self.whole(dtype), t.shape, _contiguous_strides(t.shape), t.offset // size)
 
     def close(self) -> bool:
         """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes)."""
@@ -126,12 +131,41 @@ def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
             yield tname, m.tensor(tname)
 
 
-def layout_key(maps: list[MappedFile]) -> tuple:
-    """What a load of these files sends, less the bytes: file names, and every tensor's name,
-    dtype, shape and offset (the key of the direct load's copy plan, qconvert/engine/vllm_direct.py)."""
-    return tuple(
-        (m.name, tuple((n, t.dtype, tuple(t.shape), t.offset) for n, t in sorted(m.spec.tensors.items()))) for m in maps
-    )
+class StagedTensors:
+    """The tensors of the mapped files as the direct load takes them (qconvert/engine/vllm_direct.py):
+    iterating gives (name, view) in :func:`iter_tensors`'s order; :meth:`others` the same less some
+    names, without making their views; :meth:`whole` a file's mapping as one tensor of a dtype (what
+    the copy plan's recorded sources are views of); :attr:`layout` what a load of these files
+    sends, less the bytes (file names and sizes, every tensor's name, dtype, shape and offset: the
+    plan's key); :meth:`file_of` the file a tensor is in."""
+
+    def __init__(self, maps: list[MappedFile]):
+        self.maps = {m.name: m for m in maps}
+        self.order = [(m, sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset)) for m in maps]
+        self._file = {n: m.name for m, names in self.order for n in names}
+        self.layout = tuple(
+            (
+                m.name,
+                m.spec.size,
+                tuple((n, t.dtype, tuple(t.shape), t.offset) for n, t in sorted(m.spec.tensors.items())),
+            )
+            for m in maps
+        )
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.others(())
+
+    def others(self, skip) -> Iterator[tuple[str, torch.Tensor]]:
+        for m, names in self.order:
+            for n in names:
+                if n not in skip:
+                    yield n, m.tensor(n)
+
+    def whole(self, file: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.maps[file].whole(dtype)
+
+    def file_of(self, name: str) -> str:
+        return self._file[name]
 
 
 def file_digest(kind: str, buf) -> str:
@@ -249,7 +283,7 @@ def load_staged(
     """Load the committed content of the staging area at ``area`` into ``model``.
 
     ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
-    format). ``direct_load(iterator, forms, layout)``, when given, is the direct in-place load
+    format). ``direct_load(StagedTensors, forms)``, when given, is the direct in-place load
     (qconvert/engine/vllm_direct.py), taken when :func:`vllm_direct.choose` finds modules it
     applies to; ``path`` in the result says which ran (``why``: the reason code of a layerwise
     load, ``modules``: the direct load's module counts per form). Returns JSON-serialisable
@@ -287,7 +321,7 @@ def load_staged(
             def run() -> None:
                 with torch.no_grad():
                     if forms is not None:
-                        extra["modules"] = direct_load(iter_tensors(maps), forms, layout_key(maps))
+                        extra["modules"] = direct_load(StagedTensors(maps), forms)
                         extra["plan"] = extra["modules"].pop("plan", None)
                     elif layout is None:
                         reload_weights(iter_tensors(maps))
@@ -374,13 +408,11 @@ def load_staged_into_worker(
     def reload_weights(weights):
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
-    def direct_load(weights, forms, layout=None):
+    def direct_load(staged, forms):
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(worker.vllm_config):
-            got = vllm_direct.load_direct(
-                runner.get_model(), worker.vllm_config.model_config, weights, forms, layout=layout
-            )
+            got = vllm_direct.load_direct(runner.get_model(), worker.vllm_config.model_config, staged, forms)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
             fn = getattr(runner, reset, None)
             if fn is not None:
