@@ -17,9 +17,19 @@ concatenation, the copy into the mapping; ``commit``: digests and commit.json).
 What it does not cover: CUDA launch latency, streams and events (the copier's device path), the
 Triton kernels, and the device-to-host copy itself; on CPU the quantizer is the C kernel, whose
 time is reported apart ("jobs": time inside the jobs' functions, which includes their Python).
+The figure to read is the calling thread's CPU time (``time.thread_time``) in ``stage()`` outside
+the jobs' functions: other processes on a shared machine do not change it; on CPU it includes
+the copy into the mapping (a memcpy of the outputs, small at these sizes), the NaN/Inf check's
+norms and a little foreign-thread GIL traffic (digest and kernel pools).
 
-    python scripts/profile_refit_host.py                       # all variants, 2 layers
+``--device cuda`` runs the real CUDA path (real matrix sizes unless given) and adds the floor of
+``bench_refit.py --stage`` (device-to-host copy of the same bytes into the registered mapping):
+there "jobs" is the time to launch the quantizers, and the cProfile list shows where the host
+waits (event synchronize: the copies) and where it works.
+
+    python scripts/profile_refit_host.py                       # all variants, 2 layers, CPU
     python scripts/profile_refit_host.py --variants mxfp8 --profile 25
+    python scripts/profile_refit_host.py --device cuda --layers 4 --profile 30   # on the GPU machine
 """
 
 from __future__ import annotations
@@ -75,33 +85,37 @@ class _JobClock:
 
 def run(a) -> dict:
     import torch
-    from bench_refit import VARIANTS, _sparse_reference, _weights
+    from bench_refit import VARIANTS, _floor, _sparse_reference, _weights
 
     from qconvert.convert import jobs
     from qconvert.convert.pipeline import ConvertOptions
     from qconvert.refit import Refitter
 
-    if a.cuda_path:
+    cuda = a.device == "cuda"
+    if a.hidden is None:  # real sizes on a GPU; tiny ones on CPU, where the quantizer's time is not the subject
+        a.hidden, a.inter = (2048, 768) if cuda else (64, 32)
+    if a.cuda_path and not cuda:
         Refitter._BATCHED = True
         jobs.STACKED_DEVICES = {*jobs.STACKED_DEVICES, "cpu"}
     torch.set_num_threads(a.threads)
     _shapes(a.hidden, a.inter, a.vocab)
     work, root = Path(a.work), Path(a.shm_root)
     ref = _sparse_reference(work / "ref", a.layers)
-    weights = _weights(a.layers, "cpu")
+    weights = _weights(a.layers, a.device)
     out = {
         "qconvert": str(Path(sys.modules["qconvert"].__file__).parent),
         "layers": a.layers,
         "tensors_in": len(weights),
         "shape": {"hidden": a.hidden, "inter": a.inter, "experts": 128},
-        "cuda_path": a.cuda_path,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cuda_path": cuda or a.cuda_path,
         "runs": [],
     }
     for v in a.variants:
-        opts = ConvertOptions(device="cpu", progress=False, **VARIANTS[v])
+        opts = ConvertOptions(device=a.device, progress=False, **VARIANTS[v])
         name = f"prof-{v.replace('+', '-')}"
         shutil.rmtree(root / name, ignore_errors=True)
-        r = Refitter(ref, opts, name, root=root, hash_threads=2)
+        r = Refitter(ref, opts, name, root=root, hash_threads=None if cuda else 2)
         try:
             clock = _JobClock(r)
             res = r.refit(weights)  # the first: area, mappings
@@ -109,7 +123,7 @@ def run(a) -> dict:
             for _ in range(a.repeat):
                 clock.s = clock.cpu = 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
-                r.stage(weights)
+                r.stage(weights)  # returns once every copy has landed (the copier waits for its events)
                 t1, c1 = time.perf_counter(), time.thread_time()
                 r.commit()
                 stage.append(t1 - t0)
@@ -117,6 +131,7 @@ def run(a) -> dict:
                 commit.append(time.perf_counter() - t1)
                 jobs_s.append(clock.s)
                 jobs_cpu.append(clock.cpu)
+            floor = _floor(r, torch, 3) if cuda else None
             top = None
             if a.profile:
                 pr = cProfile.Profile()
@@ -140,6 +155,7 @@ def run(a) -> dict:
             "host_cpu_ms_per_layer": min(host) * per_layer,
             "host_cpu_ms_per_layer_median": statistics.median(host) * per_layer,
             "commit_ms": statistics.median(commit) * 1e3,
+            "floor_ms_per_layer": floor * per_layer if floor is not None else None,
             "stage_s": stage,
             "host_cpu_s": host,
         }
@@ -148,7 +164,13 @@ def run(a) -> dict:
             f"{v:14s} out {row['tensors_out']:6d}  wall: stage {row['stage_ms_per_layer']:7.2f} ms/layer, "
             f"in jobs {row['jobs_ms_per_layer']:6.2f}  | calling thread's CPU outside jobs: "
             f"{row['host_cpu_ms_per_layer']:6.2f} ms/layer (min; median {row['host_cpu_ms_per_layer_median']:6.2f})"
-            f"  | commit {row['commit_ms']:5.1f} ms",
+            f"  | commit {row['commit_ms']:5.1f} ms"
+            + (
+                f"  | d2h floor {row['floor_ms_per_layer']:6.2f} ms/layer, stage / floor "
+                f"{row['stage_ms_per_layer'] / row['floor_ms_per_layer']:.2f}x"
+                if floor
+                else ""
+            ),
             flush=True,
         )
         if top:
@@ -162,8 +184,9 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=256, help="hidden size (real: 2048)")
-    ap.add_argument("--inter", type=int, default=128, help="expert intermediate size (real: 768)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 64 on CPU, 2048 on CUDA: real)")
+    ap.add_argument("--inter", type=int, default=None, help="expert intermediate size (default 32 / 768: real)")
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     ap.add_argument("--repeat", type=int, default=5)
