@@ -415,7 +415,7 @@ def render_card(
     L.append(f"| on-disk dialect | `{dialect}`: {DIALECT_TEXT.get((scheme, dialect), dialect)} |")
     if man.get("recipe"):
         L.append(f"| recipe | `{_md(man['recipe'])}` |")
-    from .convert.fp8_source import summarize
+    from .convert.decode import summarize
 
     src_line = summarize((man.get("source") or {}).get("quantized") if isinstance(man.get("source"), dict) else None)
     if src_line:

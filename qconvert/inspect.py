@@ -183,7 +183,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
 
 
 def _quantized_source(manifest: dict | None, det) -> str | None:
-    from .convert.fp8_source import summarize
+    from .convert.decode import summarize
 
     if not manifest or det.producer != "qconvert" or not isinstance(manifest.get("source"), dict):
         return None

@@ -103,6 +103,9 @@ class VerifyReport:
     engine: dict | None = None
     #: the cause that explains the other failures (DST converted from other weights), listed first
     diagnosis: str | None = None
+    #: DST tensors that are the BF16 of a quantized SRC's decode (``qconvert bf16``), one result each:
+    #: ``exact`` their bytes are that BF16, ``lossless`` they equal the fp32 decode bit for bit
+    decoded: list[TensorResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -336,6 +339,7 @@ class _Verifier:
         self.user_max = max_rel_err
         self._kept_bad = 0
         self.fp8 = None  # an FP8 block-scaled SRC (convert.fp8_source.Fp8BlockSource), set by run
+        self.decoded = None  # a quantized SRC's decode (convert.decode.DecodedSource), set by run
         self.progress = progress
         self.log = log
 
@@ -352,16 +356,20 @@ class _Verifier:
 
         r = self.r
         self.dst = dst = read_checkpoint(self.dst_arg)
-        self.src = load_checkpoint(self.src_arg)
-        # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
-        self._src_entries, self._src_views = fused.source_entries(
-            self.src.tensors, self.src.config, self.src.root / "config.json"
-        )
-        from .convert import fp8_source  # an FP8 block-scaled SRC is compared through its decode
+        self.src = load_checkpoint(self.src_arg, decode=True)
+        from .convert import decode, fp8_source  # a quantized SRC is compared through its decode
 
-        self.fp8 = fp8_source.detect(
-            self.src.config, {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()}, self.src.root / "config.json"
-        )
+        inventory = {n: (e.dtype, e.shape) for n, e in self.src.tensors.items()}
+        self.decoded, logical = decode.source_of(self.src.config, inventory, self.src.root / "config.json")
+        if self.decoded is not None and self.decoded.kind != fp8_source.KIND:
+            # MXFP4 pairs seen as the BF16 tensors they decode to (docs/formats.md#quantized-sources-decoded-to-bf16)
+            self._src_entries, self._src_views = decode.logical_entries(self.src.tensors, logical), {}
+        else:
+            # fused expert tensors of SRC seen as the per-expert tensors DST holds (docs/formats.md#fused-expert-tensors)
+            self._src_entries, self._src_views = fused.source_entries(
+                self.src.tensors, self.src.config, self.src.root / "config.json"
+            )
+            self.fp8 = fp8_source.detect(self.src.config, inventory, self.src.root / "config.json")
         for p in dst.problems:
             self.fail("index", p)
         self.ok("index")
@@ -429,6 +437,8 @@ class _Verifier:
         layouts = find_layouts(self.dst.manifest)
         stacked = {m for m, mod in self.mods.items() if mod.stacked}
         fp8_scales = set(self.fp8.scales.values()) if self.fp8 else set()
+        if self.decoded is not None and self.fp8 is None:  # MXFP4: the pairs' base names, BF16 in DST
+            fp8_scales = set()
         for name, se in src_t.items():
             if name in fp8_scales:
                 continue  # an FP8 source's block scales: decoded with their weights, not written
@@ -922,8 +932,9 @@ class _Verifier:
                         kind, srcs = plan[key]
                         if kind == "kept":
                             s = self._read_src(srcs[0])
-                            if self.fp8 and srcs[0] in self.fp8.scales:
-                                s = s.to(torch.bfloat16)  # an FP8 weight kept: the BF16 of its decode
+                            if self.decoded is not None and srcs[0] in self.decoded.decoded:
+                                self._check_decoded(e.name, h.path.name, s, t)
+                                continue
                             r.kept_bytes += e.nbytes
                             if s.view(-1).view(torch.uint8).equal(t.view(-1).view(torch.uint8)) if t.numel() else True:
                                 r.kept_identical += 1
@@ -961,7 +972,14 @@ class _Verifier:
                 rd.close()
         self.ok("kept", f"ok ({r.kept_identical} byte-identical)")
         self.ok("values", f"ok ({len(r.tensors)} quantized tensors)")
-        if self.fp8:
+        if r.decoded:
+            n_exact = sum(bool(t.lossless) for t in r.decoded)
+            self.ok(
+                "decoded",
+                f"ok ({len(r.decoded)} tensors are the BF16 of the {self.decoded.kind} source's decode, "
+                f"{n_exact} of them exactly its values)",
+            )
+        if self.fp8 and any(t.lossless is not None for t in r.tensors):
             ll = [t for t in r.tensors if t.lossless is not None]
             self.ok(
                 "lossless",
@@ -969,6 +987,29 @@ class _Verifier:
                 "exactly to the source's values; the others were requantized)",
             )
         self._check_hashes(out_sha, src_digests)
+
+    def _check_decoded(self, name: str, shard: str, x: torch.Tensor, t: torch.Tensor):
+        """DST tensor ``name`` against the fp32 decode ``x`` of its quantized source: its bytes must be
+        the BF16 of ``x`` (as ``qconvert bf16`` writes it; docs/formats.md#quantized-sources-decoded-to-bf16);
+        ``lossless`` where it equals ``x`` bit for bit."""
+        want = x.to(torch.bfloat16)
+        same = (
+            tuple(t.shape) == tuple(want.shape)
+            and t.dtype == torch.bfloat16
+            and torch.equal(want.view(torch.int16), t.view(torch.int16))
+        )
+        lossless = same and bool(torch.equal(t.float().view(torch.int32), x.contiguous().view(torch.int32)))
+        err = (t.double() - x.double()) if tuple(t.shape) == tuple(x.shape) else None
+        xn = float(x.double().square().sum()) if x.numel() else 0.0
+        en = float(err.square().sum()) if err is not None else math.inf
+        rel, sqnr = _figures(xn, en)
+        self.r.decoded.append(TensorResult(name, "bf16", list(t.shape), rel, sqnr, 0.0, same, same, lossless))
+        if not same:
+            self.fail(
+                "decoded",
+                f"tensor {name!r} in {shard}: its bytes are not the BF16 of the source's {self.decoded.kind} decode "
+                "(modified or swapped); re-run qconvert bf16",
+            )
 
     def _check_quantized(self, m: Module, ts: dict[str, torch.Tensor], x: torch.Tensor, recipe: str | None):
         fmt = m.format
@@ -1035,7 +1076,12 @@ class _Verifier:
         self.r.tensors.append(res)
 
     def _read_src(self, name: str) -> torch.Tensor:
-        """SRC's tensor ``name`` (mapped), or one expert's matrix of a fused SRC tensor."""
+        """SRC's tensor ``name`` (mapped), or one expert's matrix of a fused SRC tensor, or the fp32
+        decode of an MXFP4 pair."""
+        if self.decoded is not None and self.fp8 is None and name in self.decoded.decoded:
+            from .convert.decode import read_decoded
+
+            return read_decoded(self.decoded, name, lambda n: self._src_readers[self._src_shard[n]].read(n))
         v = self._src_views.get(name)
         if v is None:
             return self._src_readers[self._src_shard[name]].read(name)
@@ -1282,6 +1328,16 @@ def format_report(r: VerifyReport, worst: int = 5) -> str:
             + (f"; bytes equal a fresh quantization {sum(exact)}/{len(exact)}" if exact else "")
         )
     lines.append(f"  kept BF16  : {r.kept_identical} tensors byte-identical to the source")
+    if r.decoded:
+        bad = [t.module for t in r.decoded if not t.ok]
+        rounded = [t.module for t in r.decoded if t.ok and not t.lossless]
+        lines.append(
+            f"  decoded    : {len(r.decoded)} tensors, {len(r.decoded) - len(bad) - len(rounded)} exactly the source's "
+            f"values, {len(rounded)} its BF16 rounding" + (f", {len(bad)} FAILED" if bad else "")
+        )
+        for t in r.decoded:
+            what = "FAILED" if not t.ok else "lossless" if t.lossless else f"rounded (rel err {t.rel_err:.2e})"
+            lines.append(f"    {t.module:<56} {what}")
     if r.engine:
         if r.engine.get("available") and "top1_agreement" in r.engine:
             lines.append(

@@ -202,3 +202,89 @@ def test_ct_fp8_block_decode_equals_compressed_tensors(tmp_path):
         assert torch.equal(out[n].view(torch.int16), ref.view(torch.int16)), n
         n_exact += man["tensor_paths"][n] == "exact"
     assert n_exact >= 4  # the power-of-two layer
+
+
+def _flip_bit(root, name: str, at: int = 0, bit: int = 0):
+    """Flip one bit of tensor ``name`` in DST's shard files, in place (header untouched)."""
+    for f in sorted(root.glob("*.safetensors")):
+        raw = bytearray(f.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        if name in header:
+            raw[8 + n + header[name]["data_offsets"][0] + at] ^= 1 << bit
+            f.write_bytes(bytes(raw))
+            return
+    raise AssertionError(name)
+
+
+def test_verify_gpt_oss_decode(gptoss, tmp_path):
+    import shutil
+
+    from qconvert.verify import format_report, verify
+
+    src, dst, _ = gptoss
+    r = verify(str(src), str(dst))
+    assert r.ok, r.failures
+    assert r.checks["decoded"].startswith("ok (4 tensors") and r.checks["source"].startswith("ok")
+    assert sorted(t.module for t in r.decoded) == sorted(
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    )
+    assert all(t.exact and t.lossless and t.rel_err == 0 for t in r.decoded)
+    assert r.kept_identical == 33
+    assert "4 exactly the source's values" in format_report(r)
+    bad = tmp_path / "bad"
+    shutil.copytree(dst, bad)
+    _flip_bit(bad, GU0, at=2 * 1000 + 1, bit=0)  # the lowest exponent bit of one element
+    r2 = verify(str(src), str(bad))
+    assert not r2.ok and r2.checks["decoded"] == "FAILED"
+    assert [t.module for t in r2.decoded if not t.ok] == [GU0]
+    assert any(GU0 in f and "not the BF16 of the source's mxfp4 decode" in f for f in r2.failures), r2.failures
+
+
+@pytest.mark.vllm
+def test_verify_fp8_block_decode(demo_dense, tmp_path):
+    import shutil
+
+    from test_quantized_sources import make_fp8_source
+
+    from qconvert.verify import verify
+
+    src, t = make_fp8_source(demo_dense, tmp_path / "src", pow2=("layers.0.",))
+    dst = tmp_path / "bf16"
+    _bf16(src, dst)
+    man = json.loads((dst / "qconvert.json").read_text())["source"]["quantized"]
+    r = verify(str(src), str(dst))
+    assert r.ok, r.failures
+    got = {t.module: t.lossless for t in r.decoded}
+    assert got == {n: v == "exact" for n, v in man["tensor_paths"].items()}
+    assert any(got.values()) and not all(got.values())
+    assert all(t.exact for t in r.decoded)
+    rounded = next(n for n, v in got.items() if not v)
+    bad = tmp_path / "bad"
+    shutil.copytree(dst, bad)
+    _flip_bit(bad, rounded)
+    r2 = verify(str(src), str(bad))
+    assert not r2.ok and [t.module for t in r2.decoded if not t.ok] == [rounded]
+    assert any(rounded in f and "not the BF16 of the source's fp8-block decode" in f for f in r2.failures)
+
+
+def test_inspect_counts_mxfp4_modules_and_says_the_decode(gptoss):
+    from qconvert.inspect import inspect_checkpoint
+
+    src, dst, _ = gptoss
+    r = inspect_checkpoint(src)
+    mx = {m.name: m for m in r.modules if m.format == "mxfp4"}
+    assert sorted(mx) == sorted(
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    )
+    assert mx[GU0].shape == [4, 128, 128] and mx[DOWN0].shape == [4, 128, 64]  # unpacked [E, N, K]
+    assert set(mx[GU0].tensors) == {"blocks", "scales"}
+    assert r.totals["quantized_modules"] == 4 and r.totals["tensors"] == 41
+    assert not any(m.name.endswith(("_blocks", "_scales")) for m in r.modules)
+    # the BF16 size it decodes to: what qconvert bf16 writes
+    out_bytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    assert abs(r.totals["bf16_bytes"] - out_bytes) < 4096  # headers aside
+    d = inspect_checkpoint(dst)
+    assert (
+        d.scheme == "bf16" and d.source == "MXFP4 (gpt-oss), decoded to BF16: 4 of 4 tensors exactly, 0 rounded to BF16"
+    )

@@ -165,3 +165,46 @@ def _decode_job(source: DecodedSource, name: str, shape: tuple, check: bool) -> 
         return {name: source.decode(name, src, check)}
 
     return Job(list(source.decoded[name]), [OutTensor(name, torch.bfloat16, shape, "bf16")], fn, "bf16")
+
+
+def logical_entries(entries: dict, logical: dict) -> dict:
+    """A checkpoint's tensor entries (name -> entry with ``dtype``, ``shape``, ``nbytes``) with each
+    MXFP4 pair replaced by an entry of the BF16 tensor it decodes to (``logical``, from
+    :func:`source_of`); for ``verify``."""
+    from types import SimpleNamespace
+
+    out = {}
+    for n, (tag, shape) in logical.items():
+        if n in entries:
+            out[n] = entries[n]
+        else:
+            k = 1
+            for d in shape:
+                k *= d
+            out[n] = SimpleNamespace(name=n, dtype=tag, shape=tuple(shape), nbytes=2 * k)
+    return out
+
+
+def read_decoded(source: DecodedSource, name: str, read) -> torch.Tensor:
+    """The fp32 decode of output tensor ``name`` (``read(n)`` reads a source tensor): what the
+    BF16 output must round to, and equal where it is ``exact``."""
+    a, b = source.decoded[name]
+    if source.kind == mxfp4_source.KIND:
+        return mxfp4_source.decode_fp32(name, read(a), read(b))
+    return fp8_block.dequantize(read(a), fp8_source.checked_scale(b, read(b)), source.block)
+
+
+def summarize(quantized: dict | None) -> str | None:
+    """One line from a manifest's ``source.quantized`` (inspect and the model card say it): a decoded
+    source's counts here, an FP8 conversion's through :func:`fp8_source.summarize`."""
+    if not isinstance(quantized, dict) or quantized.get("decoded_to") != "bf16":
+        return fp8_source.summarize(quantized)
+    paths = quantized.get("tensor_paths") or {}
+    n = len(paths)
+    exact = sum(1 for v in paths.values() if v == "exact")
+    kind = quantized.get("kind")
+    if kind == mxfp4_source.KIND:
+        what = f"MXFP4 ({quantized.get('form')})"
+    else:
+        what = f"FP8 block-scaled ({fp8_source.form_label(str(quantized.get('form')), quantized.get('weight_block_size'))})"
+    return f"{what}, decoded to BF16: {exact} of {n} tensors exactly, {n - exact} rounded to BF16"

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from ..formats.dialects import MXFP4_BLOCKS, MXFP4_SCALES
 from .numerics import mxfp4
 
 KIND = "mxfp4"
 QUANT_METHOD = "mxfp4"
-BLOCKS_SUFFIX = "_blocks"
-SCALES_SUFFIX = "_scales"
+BLOCKS_SUFFIX = MXFP4_BLOCKS
+SCALES_SUFFIX = MXFP4_SCALES
 #: the fused gate/up tensor's base name (gate and up interleave by row)
 GATE_UP = "gate_up_proj"
 #: bytes per block of 32 E2M1 elements (the last dimension of ``*_blocks``)
@@ -194,6 +195,13 @@ def decode_bf16(name: str, blocks: torch.Tensor, scales: torch.Tensor, workers: 
         return int((b.float().view(torch.int32) != x.view(torch.int32)).sum())
 
     return out, sum(run_all(max(1, workers), [(one, i) for i in range(e)]))
+
+
+def decode_fp32(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [E, K, N]: the exact values of logical tensor ``name``'s pair in the orientation of
+    :func:`decoded_shape` (``verify`` compares a decoded checkpoint with it); refuses a 0xFF scale byte."""
+    packed, e8m0 = _checked(name, blocks, scales)
+    return mxfp4.mxfp4_decode(packed, e8m0).transpose(1, 2)
 
 
 def refusal(source: Mxfp4Source, where, code: Refusal = Refusal.NO_ENGINE_FORM) -> CheckpointError:

@@ -13,7 +13,17 @@ import enum
 import re
 from dataclasses import dataclass, field
 
-from .dialects import HF_QUANT_CONFIG, SUFFIXES, WEIGHT, WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_SCALE_INV
+from .dialects import (
+    HF_QUANT_CONFIG,
+    MXFP4_BLOCK_BYTES,
+    MXFP4_BLOCKS,
+    MXFP4_SCALES,
+    SUFFIXES,
+    WEIGHT,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_INV,
+)
 from .exclusions import (
     COMPRESSED_TENSORS_READ_KEYS,
     EXCLUDE_MODULES,
@@ -32,7 +42,7 @@ _STACKED_RE = re.compile(r"^(?P<w>w13|w2|w1|w3)_(?P<suffix>.+)$")
 STACKED_MODULES = ("w13", "w2", "w1", "w3")
 _ROLE_TAGS = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F64": "f64"}
 #: module formats that are quantized (the ones qconvert writes, and FP8 it reads)
-QUANTIZED_FORMATS = ("mxfp8", "nvfp4", "fp8", "fp8-block")
+QUANTIZED_FORMATS = ("mxfp8", "nvfp4", "fp8", "fp8-block", "mxfp4")
 #: schemes qconvert can verify; the others detect but do not verify
 UNVERIFIABLE = ("unknown", "fp8", "fp8-block", "mxfp4")
 #: dtypes of FP8 block-scale tensors (fp32 in DeepSeek-style sources, the model's dtype in
@@ -114,16 +124,47 @@ def module_format(tensors: dict[str, tuple[str, tuple]]) -> tuple[str, list[int]
     return "other", shape, scale_sfx
 
 
-def modules_of(tensors: dict) -> dict[str, Module]:
-    """Modules from tensor entries (name -> entry with ``name``, ``dtype``, ``shape``, ``nbytes``)."""
-    groups: dict[str, dict] = {}
+def mxfp4_pairs(tensors: dict) -> dict[str, str]:
+    """Tensor name -> its MXFP4 module (``<base>``) for every ``<base>_blocks`` U8 [..., K/32, 16] with
+    a ``<base>_scales`` U8 [..., K/32] beside it (gpt-oss experts; docs/formats.md#mxfp4-sources)."""
+    out = {}
     for name, e in tensors.items():
+        if not name.endswith(MXFP4_BLOCKS):
+            continue
+        base = name[: -len(MXFP4_BLOCKS)]
+        s = tensors.get(base + MXFP4_SCALES)
+        shape = list(e.shape)
+        if (
+            s is not None
+            and e.dtype == s.dtype == "U8"
+            and len(shape) >= 3
+            and shape[-1] == MXFP4_BLOCK_BYTES
+            and list(s.shape) == shape[:-1]
+        ):
+            out[name] = out[base + MXFP4_SCALES] = base
+    return out
+
+
+def modules_of(tensors: dict) -> dict[str, Module]:
+    """Modules from tensor entries (name -> entry with ``name``, ``dtype``, ``shape``, ``nbytes``);
+    an MXFP4 pair is one module of format ``mxfp4``, its shape the unpacked [..., N, K]."""
+    groups: dict[str, dict] = {}
+    pairs = mxfp4_pairs(tensors)
+    for name, e in tensors.items():
+        if name in pairs:
+            groups.setdefault(pairs[name], {})[name[len(pairs[name]) + 1 :]] = e
+            continue
         mod, sfx = split_name(name)
         groups.setdefault(mod, {})[sfx or e.name] = e
+    mx = set(pairs.values())
     out = {}
     for mod, ts in groups.items():
         desc = {s: (e.dtype, tuple(e.shape)) for s, e in ts.items()}
-        fmt, shape, sfx = module_format(desc)
+        if mod in mx:
+            b = list(desc[MXFP4_BLOCKS[1:]][1])
+            fmt, shape, sfx = "mxfp4", b[:-2] + [b[-2] * 2 * MXFP4_BLOCK_BYTES], MXFP4_SCALES[1:]
+        else:
+            fmt, shape, sfx = module_format(desc)
         stacked = mod.rsplit(".", 1)[-1] in STACKED_MODULES
         out[mod] = Module(
             mod,

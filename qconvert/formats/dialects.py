@@ -44,6 +44,10 @@ WEIGHT_ZERO_POINT = "weight_zero_point"
 BIAS = "bias"
 K_SCALE, V_SCALE = "k_scale", "v_scale"
 
+#: gpt-oss MXFP4 pairs: ``<base>_blocks`` U8 [..., K/32, 16] and ``<base>_scales`` U8 [..., K/32] (E8M0),
+#: one module ``<base>`` (docs/formats.md#mxfp4-sources); bytes per 32-element block
+MXFP4_BLOCKS, MXFP4_SCALES, MXFP4_BLOCK_BYTES = "_blocks", "_scales", 16
+
 #: tensor-name suffixes that belong to a module (longest first so ``weight_scale_2`` wins)
 SUFFIXES = (
     WEIGHT_SCALE_INV,
