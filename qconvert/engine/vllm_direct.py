@@ -347,6 +347,16 @@ class _Recorder:
         return CopyPlan(key, copies), None
 
 
+def record_plan(served: list[tuple], staged, load, key: tuple) -> tuple[CopyPlan | None, str | None]:
+    """Run ``load(iterator over staged)`` (a real load) while recording where the staged tensors
+    are copied in ``served`` ((module, name, parameter) of the direct modules); returns the
+    :class:`CopyPlan` for ``key``, or (None, the reason there is none)."""
+    recorder = _Recorder(served)
+    with recorder.mode:
+        load(recorder.watch(staged))
+    return recorder.plan(key, staged.file_of)
+
+
 #: the copy plan of each served model (one per worker)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -387,10 +397,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 outcome = PLAN_REPLAYED
             elif key is not None:
                 _PLANS.pop(model, None)
-                recorder = _Recorder(_served(direct))
-                with recorder.mode:
-                    model.load_weights(recorder.watch(staged))
-                got, refused = recorder.plan(key, staged.file_of)
+                got, refused = record_plan(_served(direct), staged, model.load_weights, key)
                 if got is not None:
                     _PLANS[model] = got
                 outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"

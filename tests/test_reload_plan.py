@@ -1,0 +1,102 @@
+"""The direct reload's copy plan (qconvert/engine/vllm_direct.py, docs/reload.md#vllm-direct-load)
+on a toy load, without a server: the replayed plan writes what the load itself writes, and every
+recording the plan must not be kept from is refused with its reason. The plan against a real vLLM
+server (replayed loads equal a fresh server) is tests/test_reload_direct.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qconvert.engine.vllm_direct import CopyPlan, record_plan
+
+SHAPES = {"a": (2, 8), "b": (8, 2), "n": (8,), "x": (3,)}
+
+
+class Staged:
+    """What vllm_staged.StagedTensors gives the direct load: one 'file' (a byte buffer) holding
+    BF16 tensors back to back; views of it by name, the file's whole view, the file of a name."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.offsets, at = {}, 0
+        for name, shape in SHAPES.items():
+            self.offsets[name] = at
+            at += 2 * int(torch.tensor(shape).prod())
+        self.base = (torch.randn(at // 2, generator=g) * 10).to(torch.bfloat16).view(torch.uint8)
+        self.layout = tuple((n, s, self.offsets[n]) for n, s in SHAPES.items())
+
+    def tensor(self, name):
+        o, n = self.offsets[name], 2 * int(torch.tensor(SHAPES[name]).prod())
+        return self.base[o : o + n].view(torch.bfloat16).reshape(SHAPES[name])
+
+    def __iter__(self):
+        return self.others(())
+
+    def others(self, skip):
+        return ((n, self.tensor(n)) for n in SHAPES if n not in skip)
+
+    def whole(self, file, dtype):
+        return self.base.view(dtype)
+
+    def file_of(self, name):
+        return "f"
+
+
+def _served():
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)
+    m.norm = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+    other = torch.zeros(3, dtype=torch.bfloat16)  # a layerwise module's fresh tensor: not served
+    return m, [(m, "w", m.w), (m, "norm", m.norm)], other
+
+
+def _loader(m, other, extra=None):
+    """A weight loader in vLLM's manner: slices of the destination, a transposed source, a
+    narrowed source; ``extra(name, t)`` adds one thing a plan must refuse."""
+
+    def load(weights):
+        for name, t in weights:
+            if name == "a":
+                m.w.data[0:2].copy_(t)
+            elif name == "b":
+                m.w.data[2:4].copy_(t.t().narrow(0, 0, 2))
+            elif name == "n":
+                m.norm.data.copy_(t)
+            else:
+                other.copy_(t)
+            if extra is not None:
+                extra(m, name, t)
+
+    return load
+
+
+@torch.no_grad()
+def test_replayed_plan_writes_what_the_load_writes():
+    m, served, other = _served()
+    plan, why = record_plan(served, Staged(0), _loader(m, other), key=("k",))
+    assert why is None and isinstance(plan, CopyPlan)
+    assert sorted(plan.copies) == ["a", "b", "n"]  # x went elsewhere: loaded by the load itself
+    staged = Staged(1)
+    want_m, _, want_other = _served()
+    _loader(want_m, want_other)(iter(staged))  # the oracle: the load itself on the new bytes
+    assert plan.replay(staged) == 3
+    _loader(m, other)(staged.others(plan.copies))
+    assert torch.equal(m.w, want_m.w) and torch.equal(m.norm, want_m.norm) and torch.equal(other, want_other)
+    assert not torch.equal(m.w[2:4], torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (lambda m, n, t: m.w.data.add_(1) if n == "a" else None, "direct-write-by-aten.add_.Tensor"),
+        (lambda m, n, t: m.norm.data.copy_(t.clone()) if n == "n" else None, "direct-write-not-a-staged-copy"),
+        (lambda m, n, t: float(t.float().sum()) if n == "a" else None, "staged-tensor-copied-and-used-otherwise"),
+    ],
+    ids=["in-place-op", "copy-of-a-copy", "read-otherwise"],
+)
+@torch.no_grad()
+def test_recording_refused(extra, why):
+    m, served, other = _served()
+    plan, got = record_plan(served, Staged(0), _loader(m, other, extra), key=("k",))
+    assert plan is None and got == why
