@@ -373,6 +373,11 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, req
             assert any(len(j.sources) > 8 for js in r._group_jobs.values() for j in js)
             if scheme == "nvfp4":  # every NVFP4 group went into a stacked job (all outputs on the device)
                 assert not [j for js in r._group_jobs.values() for j in js if j.nvfp4 is not None]
+            stacked = [j for js in r._group_jobs.values() for j in js if j.stacked is not None]
+            assert stacked and all(len(j.sources) > 1 or scheme == "nvfp4" for j in stacked)
+            j = max(stacked, key=lambda j: len(j.outputs))  # its dict interface: views of the same tiles
+            got = j.fn({n: t for n, t in _stream(demo_moe) if n in j.sources})
+            _assert_same({o.name: want[o.name] for o in j.outputs}, got)
         _assert_same(want, _tensors(r.refit(_stream(demo_moe)).area.path))
         items = list(_stream(demo_moe))
         name = next(n for n, _ in items if ".experts.3.up_proj" in n)
@@ -392,6 +397,35 @@ def test_batched_path_equals_converter(demo_moe, shm, tmp_path, monkeypatch, req
         assert fs.read_area(shm / "b").version == 1
         ok = [(n, t) for n, t in poisoned if n != name] + [(name, dict(items)[name])]
         assert r.refit(ok).area.version == 2  # finite values whose L1 norm overflows are not refused
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8", "nvfp4"])
+def test_stack_of_another_shape_is_refused(demo_moe, demo_moe_2, shm, monkeypatch, scheme):
+    """A refit copies a stacked job's outputs as tiles of its stacks without looking at each
+    output: a stack of another shape or dtype (a quantizer bug) is refused naming an output it
+    holds, before any byte of its layer is copied; nothing is committed."""
+    from qconvert.convert import jobs
+
+    monkeypatch.setattr(Refitter, "_BATCHED", True)
+    monkeypatch.setattr(jobs, "STACKED_DEVICES", {"cuda", "cpu"})
+    with Refitter(demo_moe, _opts(scheme=scheme), "t") as r:
+        r.refit(_stream(demo_moe))
+        before = {f.name: f.read_bytes() for f in sorted((shm / "t" / "slot-1").glob("*.safetensors"))}
+        j = next(j for js in r._group_jobs.values() for j in js if j.stacked is not None and len(j.sources) > 1)
+        st = j.stacked
+        wrong = [st.fn, lambda src: [s.reshape(s.shape[0], -1) for s in st.fn(src)]]
+        k = next(k for k, (dtype, _) in enumerate(st.stacks) if dtype != torch.uint8)
+        wrong.append(lambda src: [x.view(torch.uint8) if i == k else x for i, x in enumerate(st.fn(src))])
+        for bad in wrong[1:]:
+            j.stacked = type(st)(bad, st.stacks, st.tiles)
+            with pytest.raises(RefitError, match=r"refit: the stack holding .*\.experts\.0\..* came out"):
+                r.refit(_stream(demo_moe_2))
+            assert fs.read_area(shm / "t").version == 1
+        after = {f.name: f.read_bytes() for f in sorted((shm / "t" / "slot-1").glob("*.safetensors"))}
+        layer = staging.group_key(j.sources[0])
+        assert all(before[n] == after[n] for n in before if r._gidx[layer] == int(n[1:6]))
+        j.stacked = st
+        assert r.refit(_stream(demo_moe_2)).area.version == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -44,6 +44,50 @@ class Job:
     parts: list | None = None
     #: an NVFP4 group job's outputs per member (nvfp4_group_job), for nvfp4_stack_job; None otherwise
     nvfp4: Nvfp4Parts | None = None
+    #: a stacked job's outputs as byte ranges of a few stacks (mxfp8_stack_job, nvfp4_stack_job); None otherwise
+    stacked: Stacked | None = None
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """A stacked job's outputs as byte ranges of a few tensors, the stacks: ``fn(src)`` returns the
+    stacks, stack ``k`` of dtype and shape ``stacks[k]``; output ``i`` (in ``Job.outputs`` order) is
+    the ``nbytes`` bytes at ``tiles[i] = (k, offset)`` of stack ``k`` in row-major order. The tiles
+    of a stack cover it exactly, without overlap (outputs with the same bytes, the members of an
+    NVFP4 group and their global scale, share one tile), so a refit copies a layer's outputs from the
+    stacks without a Python step per output; ``Job.fn`` is :func:`stacked_outputs` of these."""
+
+    fn: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
+    stacks: list[tuple[torch.dtype, tuple[int, ...]]]
+    tiles: list[tuple[int, int]]
+
+
+def _stacked(outputs: list[dialects.OutTensor], fn, stacks: list, tiles: list) -> Stacked:
+    """A :class:`Stacked`, its tiling checked (each stack covered exactly, in its own dtype)."""
+    st = Stacked(fn, [(d, tuple(int(x) for x in s)) for d, s in stacks], tiles)
+    cover: dict[int, list] = {}
+    for o, (k, off) in zip(outputs, tiles, strict=True):
+        if o.dtype != st.stacks[k][0]:
+            raise AssertionError(f"{o.name}: {o.dtype} in a stack of {st.stacks[k][0]}")
+        cover.setdefault(k, []).append((off, out_nbytes(o)))
+    for k, (dtype, shape) in enumerate(st.stacks):
+        end = 0
+        for off, n in sorted(set(cover.get(k, []))):  # members of one group share its global scale
+            if off != end:
+                raise AssertionError(f"stack {k} of {outputs[0].name}: tiles leave a gap or overlap at byte {off}")
+            end += n
+        if end != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise AssertionError(f"stack {k} of {outputs[0].name}: tiles cover {end} bytes of {shape}")
+    return st
+
+
+def stacked_outputs(st: Stacked, outputs: list[dialects.OutTensor], stacks: list[torch.Tensor]) -> dict:
+    """``{output name: tensor}`` of a stacked job: views of its stacks' bytes (see :class:`Stacked`)."""
+    flat = [s.reshape(-1).view(torch.uint8) for s in stacks]
+    out = {}
+    for o, (k, off) in zip(outputs, st.tiles):
+        out[o.name] = flat[k][off : off + out_nbytes(o)].view(o.dtype).view(o.shape)
+    return out
 
 
 @dataclass(frozen=True)
@@ -160,7 +204,10 @@ def nvfp4_stack_job(jobs: list[Job], dialect: str, opts: ConvertOptions, check: 
     and dtype, in the same order, with one K (a layer's experts: the gate/up pairs, or the downs;
     or a single group), quantized as a stack (:func:`quantize_nvfp4_stacked`); each output is what
     its own job gives, byte for byte. Every output is on ``opts.device``, the input scales too
-    (copied there once, here), so that a refit copies a group's outputs back as one run."""
+    (copied there once, here), so that a refit copies a group's outputs back as one run. The
+    outputs are tiles of four stacks (:class:`Stacked`): packed ``[G, R, K/2]`` and block scales
+    ``[G, R, K/16]`` (member ``m`` of group ``i`` is rows ``starts[m]:starts[m+1]`` of item ``i``),
+    the global scales ``[G]`` (``scale_2``, or its encoding) and the input scales ``[C]``."""
     device = opts.device
     stacked_fn = kernels.stacked_blocks_fn("nvfp4", device)
     names = [n for j in jobs for n in j.sources]
@@ -173,41 +220,70 @@ def nvfp4_stack_job(jobs: list[Job], dialect: str, opts: ConvertOptions, check: 
         if const_of
         else None
     )
+    first = jobs[0].nvfp4.outs[jobs[0].sources[0]]
+    g_n, r_n = len(jobs), starts[-1]
+    stacks = [
+        (first[0].dtype, (g_n, r_n, first[0].shape[-1])),
+        (first[1].dtype, (g_n, r_n, first[1].shape[-1])),
+        (first[2].dtype, (g_n,)),
+    ]
+    if consts is not None:
+        stacks.append((consts.dtype, tuple(consts.shape)))
+    tiles = []
+    for i, j in enumerate(jobs):
+        for m, n in enumerate(j.sources):
+            outs = j.nvfp4.outs[n]
+            for k, o in enumerate(outs[:2]):
+                row = out_nbytes(o) // rows[m]
+                tiles.append((k, (i * r_n + starts[m]) * row))
+            tiles.append((2, i * out_nbytes(outs[2])))
+            if len(outs) > 3:
+                tiles.append((3, const_of[n] * out_nbytes(outs[3])))
+    outputs = [o for j in jobs for o in j.outputs]
+    if [o.name for o in outputs] != [o.name for j in jobs for n in j.sources for o in j.nvfp4.outs[n]]:
+        raise AssertionError(f"{names[0]}: an NVFP4 group job's outputs are not its members' in order")
 
-    def fn(src):
+    def stack_fn(src):
         xs = [src[n].to(device, non_blocking=True) if device != "cpu" else src[n] for n in names]
         packed, scale, scale_2, g = quantize_nvfp4_stacked(names, xs, per_group, check, opts.recipe, stacked_fn)
-        enc = encode_global_scale_tensor(g, opts.recipe) if dialect != "modelopt" else None
-        result = {}
-        for i, j in enumerate(jobs):
-            for m, n in enumerate(j.sources):
-                outs = j.nvfp4.outs[n]
-                result[outs[0].name] = packed[i, starts[m] : starts[m + 1]]
-                result[outs[1].name] = scale[i, starts[m] : starts[m + 1]]
-                result[outs[2].name] = scale_2[i] if dialect == "modelopt" else enc[i : i + 1]
-                if len(outs) > 3:
-                    result[outs[3].name] = consts[const_of[n]].reshape(outs[3].shape)
-        return result
+        glob = scale_2 if dialect == "modelopt" else encode_global_scale_tensor(g, opts.recipe)
+        return [packed, scale, glob] + ([consts] if consts is not None else [])
 
-    return Job(names, [o for j in jobs for o in j.outputs], fn, "nvfp4", device_input=device != "cpu")
+    st = _stacked(outputs, stack_fn, stacks, tiles)
+    return Job(
+        names,
+        outputs,
+        lambda src: stacked_outputs(st, outputs, stack_fn(src)),
+        "nvfp4",
+        device_input=device != "cpu",
+        stacked=st,
+    )
 
 
 def mxfp8_stack_job(jobs: list[Job], device: str, check: bool) -> Job:
     """One job for plain MXFP8 jobs (:func:`mxfp8_job`) whose sources share a shape, quantized as a
-    stack (:func:`quantize_mxfp8_stacked`); each output is what its own job gives, byte for byte."""
+    stack (:func:`quantize_mxfp8_stacked`); each output is what its own job gives, byte for byte:
+    tiles of two stacks (:class:`Stacked`), the data ``[N, R, K]`` and the scales ``[N, R, K/32]``."""
     blocks_fn = kernels.blocks_fn("mxfp8", device)
     names = [j.sources[0] for j in jobs]
+    outputs = [o for j in jobs for o in j.outputs]
+    q0, s0 = jobs[0].outputs
+    stacks = [(q0.dtype, (len(jobs), *q0.shape)), (s0.dtype, (len(jobs), *s0.shape))]
+    tiles = [(k, i * out_nbytes(o)) for i, j in enumerate(jobs) for k, o in enumerate(j.outputs)]
 
-    def fn(src):
+    def stack_fn(src):
         xs = [src[n].to(device, non_blocking=True) if device != "cpu" else src[n] for n in names]
-        q, s = quantize_mxfp8_stacked(names, xs, check, blocks_fn)
-        out = {}
-        for i, j in enumerate(jobs):
-            out[j.outputs[0].name] = q[i]
-            out[j.outputs[1].name] = s[i]
-        return out
+        return list(quantize_mxfp8_stacked(names, xs, check, blocks_fn))
 
-    return Job(names, [o for j in jobs for o in j.outputs], fn, "mxfp8", device_input=device != "cpu")
+    st = _stacked(outputs, stack_fn, stacks, tiles)
+    return Job(
+        names,
+        outputs,
+        lambda src: stacked_outputs(st, outputs, stack_fn(src)),
+        "mxfp8",
+        device_input=device != "cpu",
+        stacked=st,
+    )
 
 
 def keep_job(name: str, dtype: torch.dtype, shape: tuple, check: bool) -> Job:

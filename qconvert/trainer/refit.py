@@ -290,6 +290,22 @@ class Refitter:
         for f in files:
             self._files_of_group.setdefault(int(fs.FILE_RE.match(f.name).group("group")), []).append(f)
         self._file_of_tensor = {n: f for f in files for n in f.tensors}
+        # what a refit does per group and does not depend on the values, decided once
+        self._in_spec = {
+            n: (k, torch.Size(inv[n][1]), staging.DTYPES.get(inv[n][0], (None,))[0])
+            for k, srcs in self._need.items()
+            for n in srcs
+        }
+        self._plain = frozenset(n for n in self._in_spec if not fused.FUSED_RE.match(n))
+        self._plans = {
+            k: _GroupPlan(
+                group_jobs[k],
+                self._files_of_group[self._gidx[k]],
+                self._batched,
+                sorted(n for n in self._need[k] if _has_floats(self._in_spec[n])),
+            )
+            for k in self._keys
+        }
 
         out_config, extra = output_config(config, plan, scheme, dialect, opts)
         layout = None
@@ -408,9 +424,14 @@ class Refitter:
             self._begin()
             from qconvert.convert import fused
 
-            # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
-            for name, t in fused.split_stream(named_tensors, self._config, self._views):
-                self._take(name, t)
+            take, plain = self._take, self._plain
+            for name, t in named_tensors:
+                if name in plain:  # a reference tensor: no fused-name test per tensor
+                    take(name, t)
+                    continue
+                # transformers 5 models yield fused experts (…experts.gate_up_proj [E, 2I, H]): split per expert
+                for n, x in fused.split_stream([(name, t)], self._config, self._views):
+                    take(n, x)
             self._copier.finish()
         except BaseException:
             self._abort()
@@ -418,20 +439,23 @@ class Refitter:
         return self._version
 
     def _take(self, name: str, t) -> None:
-        key = self._group_of_source.get(name)
-        if key is None:
+        spec = self._in_spec.get(name)
+        if spec is None:
             raise RefitError(
                 f"refit: tensor {name!r} is not in the reference checkpoint {self.reference}; "
                 "the trainer's names must be the Hugging Face names"
             )
         if not isinstance(t, torch.Tensor):
             raise RefitError(f"refit: {name} is a {type(t).__name__}, not a torch.Tensor")
-        want_dtype, want_shape = self._inv[name]
-        if tuple(t.shape) != want_shape or staging.TORCH_TO_TAG.get(t.dtype) != want_dtype:
+        key, want_shape, want_torch_dtype = spec
+        if t.dtype is not want_torch_dtype or t.shape != want_shape:
+            want_dtype = self._inv[name][0]
             raise RefitError(
                 f"refit: {name} is {t.dtype} {list(t.shape)}, the reference has {want_dtype} {list(want_shape)}"
             )
-        buf = self._buffers.setdefault(key, {})
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = {}
         if name in buf or key in self._written:
             raise RefitError(f"refit: tensor {name!r} given twice in one version")
         t = t.detach()
@@ -444,39 +468,14 @@ class Refitter:
 
     def _write_group(self, key: tuple) -> None:
         src = self._buffers.pop(key)
-        g = self._gidx[key]
         if self._check_group:
-            _check_finite_batched(src)
-        outs: dict[str, torch.Tensor] = {}
-        res = None
-        for j in self._group_jobs[key]:
-            res = j.fn({s: src[s] for s in j.sources})
-            for o in j.outputs:
-                t = res[o.name]
-                if tuple(t.shape) != tuple(o.shape) or t.dtype != o.dtype:
-                    raise RefitError(
-                        f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected {o.dtype} {list(o.shape)}"
-                    )
-                outs[o.name] = t
-        del src, res
-        dsts = []
-        files = self._files_of_group[g]
-        for f in files:
-            whole = self._maps.tensor(self._slot, f.name)
-            # the file's tensors lie back to back: each run of neighbours on one device is one copy
-            run: list = []
-            for n, spec in sorted(f.tensors.items(), key=lambda x: x[1].offset):
-                t = outs[n]
-                flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
-                if run and (not self._batched or run[-1][2].device != flat.device):
-                    dsts.append(_run_copy(whole, run))
-                    run = []
-                run.append((spec.offset, spec.nbytes, flat))
-            if run:
-                dsts.append(_run_copy(whole, run))
-        self._n_out += len(outs)
+            _check_finite_batched(src, self._plans[key].float_names)
+        plan = self._plans[key]
+        dsts = plan.copies(src, self._maps, self._slot)
+        del src
+        self._n_out += plan.n_out
         self._written.add(key)
-        self._copier.put(dsts, [f.name for f in files])
+        self._copier.put(dsts, plan.file_names)
 
     def _hash_files(self, names: list[str]) -> None:
         slot = self._slot
@@ -694,24 +693,143 @@ def _stack_nvfp4(jobs: list, inv: dict, dialect: str, opts, check: bool) -> list
     return out
 
 
-def _run_copy(whole: torch.Tensor, run: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """(destination slice of the file, source bytes) for tensors that lie back to back in it."""
-    start, end = run[0][0], run[-1][0] + run[-1][1]
-    src = run[0][2] if len(run) == 1 else torch.cat([t for _, _, t in run])
-    return whole[start:end], src
+class _GroupPlan:
+    """What a layer group's refit does that does not depend on the values, decided once: its jobs,
+    each output's place among the group's byte pieces, and the copies (runs of pieces that lie
+    back to back in one file). A stacked job's outputs are pieces of its stacks (jobs.Stacked),
+    cut by one ``torch.split`` per stack, so a refit does no Python step per output; the stacks'
+    dtypes and shapes are checked, which checks every output's. Other jobs' outputs are checked
+    one by one."""
+
+    def __init__(self, jobs: list, files: list, batched: bool, float_names: list[str]):
+        from qconvert.convert.jobs import out_nbytes
+
+        self.jobs, self.batched = jobs, batched
+        self.file_names = [f.name for f in files]
+        self.n_out = sum(len(j.outputs) for j in jobs)
+        self.float_names = float_names  # the inputs the NaN/Inf check reads
+        piece_of: dict[str, int] = {}
+        self.splits: list[list | None] = []  # per job: per stack, the piece sizes in byte order
+        owner: list[int] = []  # per piece: the index of the tensor (stack or output) it comes from
+        n_src = 0
+        for j in jobs:
+            st = getattr(j, "stacked", None)
+            if st is None:
+                self.splits.append(None)
+                for o in j.outputs:
+                    piece_of[o.name] = len(owner)
+                    owner.append(n_src)
+                    n_src += 1
+                continue
+            per_stack: list[list] = [[] for _ in st.stacks]
+            for o, (k, off) in zip(j.outputs, st.tiles):
+                per_stack[k].append((off, o.name, out_nbytes(o)))
+            sizes = []
+            for tiles in per_stack:
+                cut: dict[int, int] = {}  # tile offset -> its piece (outputs of one tile share it)
+                lengths = []
+                for off, name, n in sorted(tiles):
+                    if off not in cut:
+                        cut[off] = len(owner)
+                        owner.append(n_src)
+                        lengths.append(n)
+                    piece_of[name] = cut[off]
+                sizes.append(lengths)
+                n_src += 1
+            self.splits.append(sizes)
+        self.n_pieces, self.n_src = len(owner), n_src
+        # per file: runs (start, end, piece indices, the tensors they come from)
+        self.files: list[tuple[str, list]] = []
+        for f in files:
+            runs: list = []
+            end = None
+            for n, spec in sorted(f.tensors.items(), key=lambda x: x[1].offset):
+                if n not in piece_of:
+                    raise RefitError(f"refit: internal: {n} is in {f.name} but no job of its layer writes it")
+                if runs and batched and spec.offset == end:
+                    runs[-1][1] = spec.offset + spec.nbytes
+                    runs[-1][2].append(piece_of[n])
+                else:
+                    runs.append([spec.offset, spec.offset + spec.nbytes, [piece_of[n]]])
+                end = spec.offset + spec.nbytes
+            self.files.append((f.name, [(a, b, p, sorted({owner[i] for i in p})) for a, b, p in runs]))
+        self.owner = owner
+
+    def copies(self, src: dict, maps, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run the group's jobs on ``src``: (destination slice of a file, source bytes) per copy."""
+        pieces: list[torch.Tensor] = []
+        devs: list = []  # per tensor pieces come from: its device
+        res = None
+        for j, sizes in zip(self.jobs, self.splits):
+            sub = {s: src[s] for s in j.sources}
+            if sizes is None:
+                res = j.fn(sub)
+                for o in j.outputs:
+                    t = res[o.name]
+                    if t.shape != o.shape or t.dtype != o.dtype:
+                        raise RefitError(
+                            f"refit: {o.name} came out {t.dtype} {list(t.shape)}, expected {o.dtype} {list(o.shape)}"
+                        )
+                    pieces.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
+                    devs.append(t.device)
+                continue
+            st = j.stacked
+            stacks = st.fn(sub)
+            if len(stacks) != len(st.stacks):
+                raise RefitError(f"refit: internal: {j.outputs[0].name}'s job gave {len(stacks)} stacks")
+            for t, (dtype, shape), cut in zip(stacks, st.stacks, sizes):
+                if t.dtype != dtype or t.shape != shape:
+                    name = next(o.name for o, (k, _) in zip(j.outputs, st.tiles) if st.stacks[k] == (dtype, shape))
+                    raise RefitError(
+                        f"refit: the stack holding {name} came out {t.dtype} {list(t.shape)}, "
+                        f"expected {dtype} {list(shape)}"
+                    )
+                pieces.extend(torch.split(t.reshape(-1).view(torch.uint8), cut))
+                devs.append(t.device)
+        del res
+        dsts = []
+        for fname, runs in self.files:
+            whole = maps.tensor(slot, fname)
+            for start, end, idx, srcs in runs:
+                if len(idx) == 1:
+                    dsts.append((whole[start:end], pieces[idx[0]]))
+                elif len({devs[i] for i in srcs}) == 1:
+                    dsts.append((whole[start:end], torch.cat([pieces[i] for i in idx])))
+                else:  # pieces on several devices: a copy per stretch on one device
+                    run: list = []
+                    for i in idx:
+                        if run and devs[self.owner[run[-1]]] != devs[self.owner[i]]:
+                            dsts.append(_copy_of(whole, start, run, pieces))
+                            start += sum(pieces[r].numel() for r in run)
+                            run = []
+                        run.append(i)
+                    dsts.append(_copy_of(whole, start, run, pieces))
+        return dsts
 
 
-def _check_finite_batched(src: dict[str, torch.Tensor]) -> None:
+def _copy_of(whole: torch.Tensor, start: int, run: list[int], pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
+    src = pieces[run[0]] if len(run) == 1 else torch.cat([pieces[i] for i in run])
+    return whole[start : start + src.numel()], src
+
+
+def _has_floats(spec) -> bool:
+    _, shape, dtype = spec
+    return dtype is not None and dtype.is_floating_point and shape.numel() > 0
+
+
+def _check_finite_batched(src: dict[str, torch.Tensor], names: list[str]) -> None:
     """Refuse NaN/Inf in a layer group's inputs with one host sync: the L1 norm of each tensor
-    (torch._foreach_norm, a few launches for all of them) is NaN or inf if the tensor holds NaN or
-    Inf; a tensor flagged only because its finite values overflow the sum is checked exactly."""
+    (torch._foreach_norm, a few launches for all of them, in fp32) is NaN or inf if the tensor
+    holds NaN or Inf; a tensor flagged only because its finite values overflow the sum is checked
+    exactly. ``names``: the group's floating-point inputs with elements, sorted."""
     from qconvert.convert.jobs import non_finite_error
 
-    names = [n for n in sorted(src) if src[n].is_floating_point() and src[n].numel()]
     if not names:
         return
-    norms = torch._foreach_norm([src[n] for n in names], 1)
-    flags = torch.isfinite(torch.stack([x.float() for x in norms])).cpu()
+    norms = torch._foreach_norm([src[n] for n in names], 1, dtype=torch.float32)
+    flags = torch.isfinite(torch.stack(norms)).cpu()
+    if bool(flags.all()):
+        return
     for n, ok in zip(names, flags.tolist()):
         if not ok and not bool(torch.isfinite(src[n]).all()):
             raise non_finite_error(n)
