@@ -28,12 +28,13 @@ DOWN0 = "model.layers.0.mlp.experts.down_proj"
 
 def _edge_exponents(config, t):
     """Scale bytes at both ends of E8M0: 0..3 (BF16 subnormal and smallest normal results) on one
-    expert, 254 (2^127) with elements of magnitude <= 1.5 on another (the largest finite values)."""
+    expert, 254 (2^127) and 253 with elements of magnitude <= 1.5 on two others (the largest finite
+    values)."""
     s = t[DOWN0 + "_scales"]
     g = torch.Generator().manual_seed(1)
     s[0] = torch.randint(0, 4, s[0].shape, generator=g).to(torch.uint8)
-    s[1] = 254
-    t[DOWN0 + "_blocks"][1] &= 0xBB  # each nibble's magnitude code <= 3 (1.5)
+    s[1], s[2] = 254, 253
+    t[DOWN0 + "_blocks"][1:3] &= 0xBB  # each nibble's magnitude code <= 3 (1.5)
 
 
 def _bf16(src, dst, **kw):
@@ -117,7 +118,14 @@ def test_dry_run_shows_the_decode_paths(gptoss):
 
 def _overflow(config, t):
     t[GU0 + "_scales"][2, 7, 1] = 254
-    t[GU0 + "_blocks"][2, 7, 1, 3] = 0x40  # an element of 2.0 x 2^127: beyond BF16
+    t[GU0 + "_blocks"][2, 7, 1] = 0
+    t[GU0 + "_blocks"][2, 7, 1, 3] = 0x40  # element 7 of the block: 2.0 x 2^127 = 2^128, beyond BF16
+
+
+def _overflow_253(config, t):
+    t[DOWN0 + "_scales"][1, 3, 0] = 253
+    t[DOWN0 + "_blocks"][1, 3, 0] = 0
+    t[DOWN0 + "_blocks"][1, 3, 0, 5] = 0x06  # element 10 of the block: 4.0 x 2^126 = 2^128
 
 
 def _nan_scale(config, t):
@@ -127,7 +135,8 @@ def _nan_scale(config, t):
 @pytest.mark.parametrize(
     "mutate,needles",
     [
-        (_overflow, (GU0 + "_blocks", "[2, 7, 1]", "BF16 range")),
+        (_overflow, (GU0 + "_blocks", "[2, 7, 1]", "BF16 range", "scale byte 254", "magnitude 2 ")),
+        (_overflow_253, (DOWN0 + "_blocks", "[1, 3, 0]", "BF16 range", "scale byte 253", "magnitude 4 ")),
         (_nan_scale, (DOWN0 + "_scales", "[3, 5, 0]", "0xFF")),
     ],
 )
