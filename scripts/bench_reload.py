@@ -19,8 +19,10 @@ two areas so that the weights really change, ``--rounds`` times each:
   read of every tensor, then the same layerwise reload), for comparison.
 
 MoE experts on the CPU build need ``qconvert_repack_cpu_moe`` after any reload; it runs after each
-load and is reported on its own (a vLLM CPU artefact, not part of loading). ``--profile N`` adds
-one profiled staged load and prints its N most expensive functions (cumulative).
+load and is reported on its own (a vLLM CPU artefact, not part of loading). A last direct load of
+the first area ends the run (``--profile N``: profiled, its N most expensive functions printed,
+cumulative), so the greedy text printed is always the first checkpoint's. Each direct load reports
+whether it recorded or replayed its copy plan (docs/reload.md#vllm-direct-load).
 
     python scripts/bench_reload.py --work /tmp/bench-reload --schemes bf16,mxfp8 --rounds 3 --profile 30
 """
@@ -129,10 +131,11 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                     c.reload_weights(str(area))
                     rec["stock"].append(time.perf_counter() - t)
                     repack()
-        if args.profile:
-            (st,) = c.collective_rpc(STAGED_RPC, area=str(areas[0]), profile=args.profile)
-            rec["profile"] = st["profile"]
-            repack()
+        # a last direct load of the first area (profiled with --profile), so that the greedy text below
+        # is the first checkpoint's whatever ran last in the rounds
+        (st,) = c.collective_rpc(STAGED_RPC, area=str(areas[0]), profile=args.profile)
+        rec["profile"] = st.get("profile")
+        repack()
         # the server still answers and its weights are the first checkpoint's (the last load)
         rec["greedy"] = c.complete("The quick brown fox", 8)
     finally:

@@ -288,3 +288,71 @@ def test_inspect_counts_mxfp4_modules_and_says_the_decode(gptoss):
     assert (
         d.scheme == "bf16" and d.source == "MXFP4 (gpt-oss), decoded to BF16: 4 of 4 tensors exactly, 0 rounded to BF16"
     )
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_runs_the_decoded_gpt_oss_like_transformers(tmp_path):
+    """vLLM 0.32 CPU loads the decoded BF16 gpt-oss (its non-mxfp4 loader, UnquantizedFusedMoEMethod)
+    and generates; its next-token distributions over prompt + continuation are transformers' on the
+    MXFP4 source dequantized (Mxfp4Config(dequantize=True)), up to BF16 compute differences. (vLLM CPU
+    cannot run the MXFP4 source itself: no MXFP4 MoE backend on CPU.)"""
+    pytest.importorskip("vllm")
+    if not have("transformers"):
+        pytest.skip("transformers not installed")
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    src, dst = build_gpt_oss_mxfp4(tmp_path / "src"), tmp_path / "bf16"  # weights of sane magnitude
+    _bf16(src, dst)
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time there was a small model that"]
+    res = run_in_vllm([{"model": dst, "inspect": True}], prompts, 8, score_with_first=True)["jobs"][0]
+    assert res["layers"]["model.layers.0.mlp.experts.routed_experts"] == "UnquantizedFusedMoEMethod"
+    st = res["stages"][0]
+    assert all(len(t) == 8 for t in st["tokens"])
+    m = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
+    ref = []
+    for seq in st["score_sequences"]:
+        with torch.no_grad():
+            lp = torch.log_softmax(m(torch.tensor([seq])).logits[0, :-1].float(), -1)
+        ref.append([{str(int(i)): float(v) for v, i in zip(*lp[p].topk(20))} for p in range(lp.shape[0])])
+    got = compare_logprobs(ref, st["score"])
+    # measured: top-1 agreement 0.98, mean KL 6e-5 over 50 positions
+    assert got["top1_agreement"] >= 0.9 and got["mean_kl"] < 1e-2, got
+
+
+def test_resumed_decode_is_byte_identical_and_recounts(gptoss, tmp_path, monkeypatch):
+    """A decode interrupted after its first output shard and resumed: the kept shard's tensors are
+    counted again from the source (their jobs do not run), so the manifest, and every file, equal an
+    uninterrupted run's."""
+    from test_resume import _interrupt_after, assert_same_tree
+    from test_resume import cli as in_process
+
+    src, _, _ = gptoss
+    env = {"SOURCE_DATE_EPOCH": "1700000000"}
+    ref, dst = tmp_path / "ref", tmp_path / "out"
+    assert in_process("bf16", src, ref, "--no-progress", env=env)[0] == 0
+    _interrupt_after(monkeypatch, 1)
+    code, out = in_process("bf16", src, dst, "--no-progress", env=env)
+    assert code == 130 and "--resume" in out and not dst.exists()
+    monkeypatch.undo()
+    code, out = in_process("bf16", src, dst, "--no-progress", "--resume", env=env)
+    assert code == 0, out
+    assert "1 of 2 output shards verified and kept" in out and "4 of 4 tensors exactly" in out
+    assert_same_tree(dst, ref)
+    q = json.loads((dst / "qconvert.json").read_text())["source"]["quantized"]
+    assert len(q["tensor_paths"]) == 4
+
+
+def test_quantized_source_with_layout_is_refused(gptoss, tmp_path):
+    src, _, _ = gptoss
+    assert_one_line(
+        cli("bf16", src, tmp_path / "out", "--layout", "flashinfer-trtllm"),
+        1,
+        "a quantized checkpoint",
+        "decode it first",
+        "docs/formats.md#quantized-sources-decoded-to-bf16",
+    )
+    assert not (tmp_path / "out").exists()
