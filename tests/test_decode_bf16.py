@@ -365,3 +365,15 @@ def test_quantized_source_with_layout_is_refused(gptoss, tmp_path):
         "docs/formats.md#quantized-sources-decoded-to-bf16",
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_card_and_summary_say_decode(gptoss, tmp_path):
+    from qconvert.hub import render_card
+
+    src, dst, _ = gptoss
+    card = render_card(dst, "org/gpt-oss-bf16")
+    assert "BF16 decode of its quantized source" in card
+    assert "| source | MXFP4 (gpt-oss), decoded to BF16: 4 of 4 tensors exactly, 0 rounded to BF16 |" in card
+    r = cli("bf16", src, tmp_path / "out", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "x larger)" in r.stdout and "BF16, the source's quantized tensors decoded" in r.stdout
