@@ -275,6 +275,11 @@ def test_verify_fp8_block_decode(demo_dense, tmp_path):
     r2 = verify(str(src), str(bad))
     assert not r2.ok and [t.module for t in r2.decoded if not t.ok] == [rounded]
     assert any(rounded in f and "not the BF16 of the source's fp8-block decode" in f for f in r2.failures)
+    # the decoded checkpoint converts as any BF16 checkpoint does, and verifies against itself
+    mx = tmp_path / "mx"
+    convert(str(dst), mx, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
+    r3 = verify(str(dst), str(mx))
+    assert r3.ok and r3.scheme == "mxfp8" and r3.tensors and all(x.exact for x in r3.tensors), r3.failures
 
 
 def test_inspect_counts_mxfp4_modules_and_says_the_decode(gptoss):
