@@ -400,9 +400,15 @@ def render_card(
     L: list[str] = ["---", front, "---", CARD_MARKER, ""]
     L.append(f"# {name}")
     L.append("")
-    of = f"[{base}](https://huggingface.co/{base})" if base else "its BF16 source"
+    q = (man.get("source") or {}).get("quantized") if isinstance(man.get("source"), dict) else None
+    decoded = isinstance(q, dict) and q.get("decoded_to") == "bf16"  # qconvert bf16 of a quantized source
+    of = (
+        f"[{base}](https://huggingface.co/{base})"
+        if base
+        else ("its quantized source" if decoded else "its BF16 source")
+    )
     L.append(
-        f"{scheme.upper()} quantization of {of}, made with "
+        (f"BF16 decode of {of}" if decoded else f"{scheme.upper()} quantization of {of}") + ", made with "
         f"qconvert {_md(man.get('qconvert_version', __version__))}. "
         f"Engines: " + ", ".join(e.engine for e in rep.engines if e.loads) + "."
     )

@@ -24,8 +24,9 @@ norms and a little foreign-thread GIL traffic (digest and kernel pools).
 
 ``--device cuda`` runs the real CUDA path (real matrix sizes unless given) and adds the floor of
 ``bench_refit.py --stage`` (device-to-host copy of the same bytes into the registered mapping):
-there "jobs" is the time to launch the quantizers, and the cProfile list shows where the host
-waits (event synchronize: the copies) and where it works.
+there "jobs" is the time to launch the quantizers, "waiting for copies" the copier's event waits
+(a stage whose wall time is mostly that wait is bound by the device-to-host copy, not the host),
+and the cProfile list shows where the host works.
 
     python scripts/profile_refit_host.py                       # all variants, 2 layers, CPU
     python scripts/profile_refit_host.py --variants mxfp8 --profile 25
@@ -59,10 +60,22 @@ def _shapes(hidden: int, inter: int, vocab: int) -> None:
 
 
 class _JobClock:
-    """Seconds spent inside the jobs' functions (quantization and its Python) of a Refitter."""
+    """Seconds spent inside the jobs' functions (quantization and its Python) of a Refitter, and
+    waiting for a group's copies to land (the copier's event wait: on CUDA that wait may spin,
+    so it counts as CPU time too)."""
 
     def __init__(self, r):
-        self.s = self.cpu = 0.0
+        self.s = self.cpu = self.wait = 0.0
+        retire = r._copier._retire
+
+        def timed_retire():
+            t0 = time.perf_counter()
+            try:
+                retire()
+            finally:
+                self.wait += time.perf_counter() - t0
+
+        r._copier._retire = timed_retire
         import dataclasses
 
         for js in r._group_jobs.values():
@@ -119,9 +132,9 @@ def run(a) -> dict:
         try:
             clock = _JobClock(r)
             res = r.refit(weights)  # the first: area, mappings
-            stage, commit, jobs_s, stage_cpu, jobs_cpu = [], [], [], [], []
+            stage, commit, jobs_s, stage_cpu, jobs_cpu, waits = [], [], [], [], [], []
             for _ in range(a.repeat):
-                clock.s = clock.cpu = 0.0
+                clock.s = clock.cpu = clock.wait = 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 r.stage(weights)  # returns once every copy has landed (the copier waits for its events)
                 t1, c1 = time.perf_counter(), time.thread_time()
@@ -131,6 +144,7 @@ def run(a) -> dict:
                 commit.append(time.perf_counter() - t1)
                 jobs_s.append(clock.s)
                 jobs_cpu.append(clock.cpu)
+                waits.append(clock.wait)
             floor = _floor(r, torch, 3) if cuda else None
             top = None
             if a.profile:
@@ -145,13 +159,14 @@ def run(a) -> dict:
             r.close()
             shutil.rmtree(root / name, ignore_errors=True)
         per_layer = 1e3 / a.layers
-        host = [s - j for s, j in zip(stage_cpu, jobs_cpu)]
+        host = [s - j - (w if cuda else 0.0) for s, j, w in zip(stage_cpu, jobs_cpu, waits)]
         row = {
             "variant": v,
             "tensors_out": res.tensors_out,
             "files": len(r.spec.files),
             "stage_ms_per_layer": statistics.median(stage) * per_layer,
             "jobs_ms_per_layer": statistics.median(jobs_s) * per_layer,
+            "copy_wait_ms_per_layer": statistics.median(waits) * per_layer,
             "host_cpu_ms_per_layer": min(host) * per_layer,
             "host_cpu_ms_per_layer_median": statistics.median(host) * per_layer,
             "commit_ms": statistics.median(commit) * 1e3,
@@ -162,7 +177,8 @@ def run(a) -> dict:
         out["runs"].append(row)
         print(
             f"{v:14s} out {row['tensors_out']:6d}  wall: stage {row['stage_ms_per_layer']:7.2f} ms/layer, "
-            f"in jobs {row['jobs_ms_per_layer']:6.2f}  | calling thread's CPU outside jobs: "
+            f"in jobs {row['jobs_ms_per_layer']:6.2f}, waiting for copies {row['copy_wait_ms_per_layer']:6.2f}"
+            f"  | calling thread's CPU outside jobs{' and waits' if cuda else ''}: "
             f"{row['host_cpu_ms_per_layer']:6.2f} ms/layer (min; median {row['host_cpu_ms_per_layer_median']:6.2f})"
             f"  | commit {row['commit_ms']:5.1f} ms"
             + (

@@ -28,12 +28,13 @@ DOWN0 = "model.layers.0.mlp.experts.down_proj"
 
 def _edge_exponents(config, t):
     """Scale bytes at both ends of E8M0: 0..3 (BF16 subnormal and smallest normal results) on one
-    expert, 254 (2^127) with elements of magnitude <= 1.5 on another (the largest finite values)."""
+    expert, 254 (2^127) and 253 with elements of magnitude <= 1.5 on two others (the largest finite
+    values)."""
     s = t[DOWN0 + "_scales"]
     g = torch.Generator().manual_seed(1)
     s[0] = torch.randint(0, 4, s[0].shape, generator=g).to(torch.uint8)
-    s[1] = 254
-    t[DOWN0 + "_blocks"][1] &= 0xBB  # each nibble's magnitude code <= 3 (1.5)
+    s[1], s[2] = 254, 253
+    t[DOWN0 + "_blocks"][1:3] &= 0xBB  # each nibble's magnitude code <= 3 (1.5)
 
 
 def _bf16(src, dst, **kw):
@@ -117,7 +118,14 @@ def test_dry_run_shows_the_decode_paths(gptoss):
 
 def _overflow(config, t):
     t[GU0 + "_scales"][2, 7, 1] = 254
-    t[GU0 + "_blocks"][2, 7, 1, 3] = 0x40  # an element of 2.0 x 2^127: beyond BF16
+    t[GU0 + "_blocks"][2, 7, 1] = 0
+    t[GU0 + "_blocks"][2, 7, 1, 3] = 0x40  # element 7 of the block: 2.0 x 2^127 = 2^128, beyond BF16
+
+
+def _overflow_253(config, t):
+    t[DOWN0 + "_scales"][1, 3, 0] = 253
+    t[DOWN0 + "_blocks"][1, 3, 0] = 0
+    t[DOWN0 + "_blocks"][1, 3, 0, 5] = 0x06  # element 10 of the block: 4.0 x 2^126 = 2^128
 
 
 def _nan_scale(config, t):
@@ -127,7 +135,8 @@ def _nan_scale(config, t):
 @pytest.mark.parametrize(
     "mutate,needles",
     [
-        (_overflow, (GU0 + "_blocks", "[2, 7, 1]", "BF16 range")),
+        (_overflow, (GU0 + "_blocks", "[2, 7, 1]", "BF16 range", "scale byte 254", "magnitude 2 ")),
+        (_overflow_253, (DOWN0 + "_blocks", "[1, 3, 0]", "BF16 range", "scale byte 253", "magnitude 4 ")),
         (_nan_scale, (DOWN0 + "_scales", "[3, 5, 0]", "0xFF")),
     ],
 )
@@ -266,6 +275,11 @@ def test_verify_fp8_block_decode(demo_dense, tmp_path):
     r2 = verify(str(src), str(bad))
     assert not r2.ok and [t.module for t in r2.decoded if not t.ok] == [rounded]
     assert any(rounded in f and "not the BF16 of the source's fp8-block decode" in f for f in r2.failures)
+    # the decoded checkpoint converts as any BF16 checkpoint does, and verifies against itself
+    mx = tmp_path / "mx"
+    convert(str(dst), mx, "mxfp8", ConvertOptions(scheme="mxfp8", plan=PlanOptions(scheme="mxfp8"), progress=False))
+    r3 = verify(str(dst), str(mx))
+    assert r3.ok and r3.scheme == "mxfp8" and r3.tensors and all(x.exact for x in r3.tensors), r3.failures
 
 
 def test_inspect_counts_mxfp4_modules_and_says_the_decode(gptoss):
@@ -288,3 +302,83 @@ def test_inspect_counts_mxfp4_modules_and_says_the_decode(gptoss):
     assert (
         d.scheme == "bf16" and d.source == "MXFP4 (gpt-oss), decoded to BF16: 4 of 4 tensors exactly, 0 rounded to BF16"
     )
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_runs_the_decoded_gpt_oss_like_transformers(tmp_path):
+    """vLLM 0.32 CPU loads the decoded BF16 gpt-oss (its non-mxfp4 loader, UnquantizedFusedMoEMethod)
+    and generates; its next-token distributions over prompt + continuation are transformers' on the
+    MXFP4 source dequantized (Mxfp4Config(dequantize=True)), up to BF16 compute differences. (vLLM CPU
+    cannot run the MXFP4 source itself: no MXFP4 MoE backend on CPU.)"""
+    pytest.importorskip("vllm")
+    if not have("transformers"):
+        pytest.skip("transformers not installed")
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from qconvert.engine.vllm_compare import compare_logprobs, run_in_vllm
+
+    src, dst = build_gpt_oss_mxfp4(tmp_path / "src"), tmp_path / "bf16"  # weights of sane magnitude
+    _bf16(src, dst)
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time there was a small model that"]
+    res = run_in_vllm([{"model": dst, "inspect": True}], prompts, 8, score_with_first=True)["jobs"][0]
+    assert res["layers"]["model.layers.0.mlp.experts.routed_experts"] == "UnquantizedFusedMoEMethod"
+    st = res["stages"][0]
+    assert all(len(t) == 8 for t in st["tokens"])
+    m = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
+    ref = []
+    for seq in st["score_sequences"]:
+        with torch.no_grad():
+            lp = torch.log_softmax(m(torch.tensor([seq])).logits[0, :-1].float(), -1)
+        ref.append([{str(int(i)): float(v) for v, i in zip(*lp[p].topk(20))} for p in range(lp.shape[0])])
+    got = compare_logprobs(ref, st["score"])
+    # measured: top-1 agreement 0.98, mean KL 6e-5 over 50 positions
+    assert got["top1_agreement"] >= 0.9 and got["mean_kl"] < 1e-2, got
+
+
+def test_resumed_decode_is_byte_identical_and_recounts(gptoss, tmp_path, monkeypatch):
+    """A decode interrupted after its first output shard and resumed: the kept shard's tensors are
+    counted again from the source (their jobs do not run), so the manifest, and every file, equal an
+    uninterrupted run's."""
+    from test_resume import _interrupt_after, assert_same_tree
+    from test_resume import cli as in_process
+
+    src, _, _ = gptoss
+    env = {"SOURCE_DATE_EPOCH": "1700000000"}
+    ref, dst = tmp_path / "ref", tmp_path / "out"
+    assert in_process("bf16", src, ref, "--no-progress", env=env)[0] == 0
+    _interrupt_after(monkeypatch, 1)
+    code, out = in_process("bf16", src, dst, "--no-progress", env=env)
+    assert code == 130 and "--resume" in out and not dst.exists()
+    monkeypatch.undo()
+    code, out = in_process("bf16", src, dst, "--no-progress", "--resume", env=env)
+    assert code == 0, out
+    assert "1 of 2 output shards verified and kept" in out and "4 of 4 tensors exactly" in out
+    assert_same_tree(dst, ref)
+    q = json.loads((dst / "qconvert.json").read_text())["source"]["quantized"]
+    assert len(q["tensor_paths"]) == 4
+
+
+def test_quantized_source_with_layout_is_refused(gptoss, tmp_path):
+    src, _, _ = gptoss
+    assert_one_line(
+        cli("bf16", src, tmp_path / "out", "--layout", "flashinfer-trtllm"),
+        1,
+        "a quantized checkpoint",
+        "decode it first",
+        "docs/formats.md#quantized-sources-decoded-to-bf16",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_card_and_summary_say_decode(gptoss, tmp_path):
+    from qconvert.hub import render_card
+
+    src, dst, _ = gptoss
+    card = render_card(dst, "org/gpt-oss-bf16")
+    assert "BF16 decode of its quantized source" in card
+    assert "| source | MXFP4 (gpt-oss), decoded to BF16: 4 of 4 tensors exactly, 0 rounded to BF16 |" in card
+    r = cli("bf16", src, tmp_path / "out", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "x larger)" in r.stdout and "BF16, the source's quantized tensors decoded" in r.stdout

@@ -133,9 +133,8 @@ def print_summary(result, dry_run: bool):
     click.echo(f"  quantized tensors : {len(q)}")
     click.echo(f"  kept unquantized  : {kept_line(result)}")
     ratio = result.bytes_in / result.bytes_out if result.bytes_out else 0
-    click.echo(
-        f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({ratio:.2f}x smaller)"
-    )
+    how = f"{ratio:.2f}x smaller" if ratio >= 1 or not ratio else f"{1 / ratio:.2f}x larger"  # larger: a decode
+    click.echo(f"  size              : {_fmt_bytes(result.bytes_in)} -> {_fmt_bytes(result.bytes_out)} ({how})")
     click.echo(f"  exclusion list    : {len(p.exclusions)} entries")
     odd = sorted({t.reason for t in p.tensors.values() if t.code in NOTABLE_REASONS})
     for r in odd:

@@ -9,7 +9,8 @@ docs/formats.md#mxfp4-sources); config.json loses ``quantization_config`` (metad
 
 Each decoded tensor records how many of its elements BF16 does not hold exactly (``rounded``
 elements, counted by its job; for shards a ``--resume`` kept, counted again at the end): MXFP4 is
-exact wherever it decodes to a finite value, an FP8 block's product is exact where its scale is a
+exact wherever it decodes to a finite value (computed in BF16, 0 by construction; ``verify``
+re-derives it from the fp32 decode), an FP8 block's product is exact where its scale is a
 power of two and otherwise often is not. The manifest's ``source.quantized`` says so per tensor.
 
 Here: :func:`prepare` (the plan and the jobs, shard by shard through the converter's

@@ -325,16 +325,20 @@ def gpt_oss_mxfp4_tensors(config: dict, seed: int = 0, exponents: tuple[int, int
     return t
 
 
-def build_gpt_oss_mxfp4(dst: str | Path, seed: int = 0, mutate=None, n_shards: int = 2, **kw) -> Path:
+def build_gpt_oss_mxfp4(
+    dst: str | Path, seed: int = 0, mutate=None, n_shards: int = 2, overrides: dict | None = None, **kw
+) -> Path:
     """The tiny gpt-oss-shaped MXFP4 checkpoint at ``dst`` (offline, deterministic): what gpt-oss
     ships (docs/formats.md#mxfp4-sources), for tests. ``mutate(config, tensors)`` edits both before
-    they are written (bad-input tests); ``kw`` goes to :func:`gpt_oss_mxfp4_tensors`."""
+    they are written (bad-input tests); ``overrides``: config keys to change (sizes;
+    scripts/bench_decode.py builds gpt-oss-20b-sized experts so); ``kw`` goes to
+    :func:`gpt_oss_mxfp4_tensors`."""
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise OutputError(f"{dst}: already exists and is not empty; choose another directory")
     dst.mkdir(parents=True, exist_ok=True)
     eos = _tokenizer_files(dst)
-    config = json.loads(json.dumps({**GPT_OSS_MXFP4, "bos_token_id": eos, "eos_token_id": eos}))
+    config = json.loads(json.dumps({**GPT_OSS_MXFP4, **(overrides or {}), "bos_token_id": eos, "eos_token_id": eos}))
     tensors = gpt_oss_mxfp4_tensors(config, seed, **kw)
     if mutate is not None:
         mutate(config, tensors)

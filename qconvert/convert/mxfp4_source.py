@@ -28,6 +28,7 @@ import torch
 from ..errors import CheckpointError
 from ..formats.dialects import MXFP4_BLOCKS, MXFP4_SCALES
 from .numerics import mxfp4
+from .numerics.nvfp4 import e2m1_to_float
 
 KIND = "mxfp4"
 QUANT_METHOD = "mxfp4"
@@ -168,12 +169,13 @@ def decoded_shape(base: str, blocks_shape) -> tuple[int, ...]:
 
 
 def decode_bf16(name: str, blocks: torch.Tensor, scales: torch.Tensor, workers: int = 1) -> tuple[torch.Tensor, int]:
-    """``(bf16 [E, K, N], inexact)``: logical tensor ``name``'s pair decoded in fp32 and rounded to
-    BF16, expert by expert (memory: the output and one expert in fp32), in transformers' gpt-oss
-    orientation (:func:`decoded_shape`). ``inexact``: elements whose BF16 differs from the fp32 decode,
-    counted, not assumed (E2M1 x 2^k has at most two significant bits, so BF16 holds every finite
-    value, its subnormals included). Refuses a 0xFF scale byte and a block that decodes beyond the
-    fp32/BF16 range (byte 254 with an element of magnitude 2 or more), naming the tensor and block."""
+    """``(bf16 [E, K, N], rounded)``: logical tensor ``name``'s pair decoded to BF16, expert by expert
+    (memory: the output and one expert's values), in transformers' gpt-oss orientation
+    (:func:`decoded_shape`). Computed in BF16 (``numerics/mxfp4.py``, ``mxfp4_decode_bf16``): every
+    finite MXFP4 value is a BF16 value, so ``rounded`` (values whose BF16 differs from the fp32
+    decode) is 0; ``verify`` re-derives it from the fp32 decode. Refuses a 0xFF scale byte and a
+    block that decodes beyond BF16's largest value (2^128 and up: byte 253 with an element of
+    magnitude 4 or 6, byte 254 with 2 or more), naming the tensor and block."""
     from .numerics.pool import run_all
 
     packed, e8m0 = _checked(name, blocks, scales)
@@ -181,18 +183,18 @@ def decode_bf16(name: str, blocks: torch.Tensor, scales: torch.Tensor, workers: 
     out = torch.empty((e, k, n), dtype=torch.bfloat16)
 
     def one(i: int) -> int:
-        x = mxfp4.mxfp4_decode(packed[i], e8m0[i])  # [N, K] fp32, exact
-        inf = torch.isinf(x)
-        if bool(inf.any()):
-            r, c = (int(v) for v in inf.nonzero()[0])
+        b = mxfp4.mxfp4_decode_bf16(packed[i], e8m0[i])  # [N, K], exact
+        if bool(torch.isinf(b).any()):
+            r, c = (int(v) for v in torch.isinf(b).nonzero()[0])
+            g, byte = c // mxfp4.MXFP4_BLOCK, int(packed[i, r, c // 2])
+            nib = torch.tensor([(byte >> 4) if c % 2 else (byte & 0xF)]) & 0x7
             raise CheckpointError(
-                f"tensor {name + BLOCKS_SUFFIX!r}: block [{i}, {r}, {c // mxfp4.MXFP4_BLOCK}] decodes beyond the "
-                f"BF16 range (scale byte {int(e8m0[i, r, c // mxfp4.MXFP4_BLOCK])}, an element of magnitude "
-                "2 or more): the checkpoint is corrupt, re-download it"
+                f"tensor {name + BLOCKS_SUFFIX!r}: block [{i}, {r}, {g}] decodes beyond the BF16 range "
+                f"(scale byte {int(e8m0[i, r, g])} times an element of magnitude {float(e2m1_to_float(nib)[0]):g} "
+                "is 2^128 or more): the checkpoint is corrupt, re-download it"
             )
-        b = x.to(torch.bfloat16)
         out[i].copy_(b.t())
-        return int((b.float().view(torch.int32) != x.view(torch.int32)).sum())
+        return 0
 
     return out, sum(run_all(max(1, workers), [(one, i) for i in range(e)]))
 

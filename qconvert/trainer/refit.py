@@ -225,6 +225,7 @@ class Refitter:
         self.lock_wait_s, self.rendezvous_timeout_s = lock_wait_s, rendezvous_timeout_s
         self.api_key, self.pause, self.verify = api_key, pause, verify
         self._dev = torch.device(opts.device)
+        self._cuda = self._dev.type == "cuda"
 
         from qconvert.convert import fused
 
@@ -459,7 +460,7 @@ class Refitter:
         if name in buf or key in self._written:
             raise RefitError(f"refit: tensor {name!r} given twice in one version")
         t = t.detach()
-        if t.device.type != self._dev.type:
+        if t.is_cuda is not self._cuda or not (self._cuda or t.is_cpu):  # (t.device builds an object: 1 us)
             t = t.to(self._dev)
         buf[name] = t
         self._n_in += 1

@@ -29,11 +29,38 @@ E8M0_BIAS = 127
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 
 
+_TABLES: dict = {}
+
+
+def _tables(device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte -> its two E2M1 values [256, 2], E8M0 byte -> 2^(byte - 127) [256]; 0xFF -> inf) in
+    ``dtype`` (fp32 and BF16 hold every entry exactly)."""
+    key = (str(device), dtype)
+    if key not in _TABLES:
+        codes = torch.arange(256, dtype=torch.int32)
+        pairs = torch.stack((e2m1_to_float(codes & 0xF), e2m1_to_float(codes >> 4)), -1).float()
+        pow2 = torch.ldexp(torch.ones(256), (torch.arange(256) - E8M0_BIAS).float())
+        _TABLES[key] = (pairs.to(device, dtype), pow2.to(device, dtype))
+    return _TABLES[key]
+
+
+def mxfp4_decode_bf16(packed: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
+    """BF16 values, computed in BF16: each E2M1 value (at most two significant bits) times 2^k is
+    a BF16 value for every k of E8M0 (BF16 has fp32's exponent range, subnormals to 2^-133), so
+    each product is exact, equal to :func:`mxfp4_decode` rounded to BF16, except where it exceeds
+    BF16's largest value (inf: byte 253 with |e2m1| >= 4, byte 254 with |e2m1| >= 2); the caller
+    refuses those."""
+    pairs, pow2 = _tables(packed.device, torch.bfloat16)
+    vals = torch.nn.functional.embedding(packed.long(), pairs).view(*e8m0.shape, MXFP4_BLOCK)
+    return vals.mul_(pow2[e8m0.long()].unsqueeze(-1)).view(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def mxfp4_decode(packed: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
-    """fp32 values (exact: two significant bits times a power of two)."""
-    vals = e2m1_to_float(unpack_fp4(packed))
-    k = e8m0.to(torch.int32) - E8M0_BIAS
-    return torch.ldexp(vals.view(*e8m0.shape, MXFP4_BLOCK), k.unsqueeze(-1).float()).reshape(vals.shape)
+    """fp32 values (exact: two significant bits times a power of two): each byte's two elements
+    from a 256-entry table, times the block's 2^k (one table lookup per byte and per block)."""
+    pairs, pow2 = _tables(packed.device)
+    vals = torch.nn.functional.embedding(packed.long(), pairs).view(*e8m0.shape, MXFP4_BLOCK)
+    return vals.mul_(pow2[e8m0.long()].unsqueeze(-1)).view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 #: the E8M0 byte that encodes NaN (OCP MX): no block may carry it
