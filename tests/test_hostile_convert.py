@@ -301,10 +301,16 @@ def test_ctrl_c_waits_for_kernel_chunks():
 
         _thread.interrupt_main()
 
-    threading.Thread(target=interrupt_soon).start()
-    with pytest.raises(KeyboardInterrupt):
-        pool.run_chunks(chunk, 1 << 16, 2, 4096)
-        time.sleep(5)  # not reached with the interrupt delivered in time
+    # Python's own Ctrl-C handler: a pytest started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and interrupt_main is then a no-op (the test failed that way in CI)
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_soon).start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run_chunks(chunk, 1 << 16, 2, 4096)
+            time.sleep(5)  # not reached with the interrupt delivered in time
+    finally:
+        signal.signal(signal.SIGINT, prev)
     assert len(finished) == len(started) == 8  # 8 chunks of 8192, none still running
 
 
