@@ -101,7 +101,27 @@ def test_v1_views_are_the_mapping_and_equal_safetensors(mxfp8_moe, shm_root, mon
     assert stats["mappings_released"] is True
 
 
-def _v2_from_v1(v1: Path, root: Path) -> Path:
+def _pieces_digest(data: bytes) -> str:
+    """The xxh3_128-pieces-64MiB digest, from its definition (docs/reload.md#staging-area-format)."""
+    import xxhash
+
+    step = 64 << 20
+    pieces = [data[a : a + step] for a in range(0, len(data), step)] or [b""]
+    return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(p).digest() for p in pieces)).hexdigest()
+
+
+def test_pieces_digest_of_a_large_buffer():
+    """Three pieces (64 MiB, 64 MiB, 1 byte), an exact multiple and an empty buffer: the reader's
+    digest equals the definition computed with xxhash directly."""
+    import numpy as np
+
+    big = np.random.default_rng(5).integers(0, 256, (128 << 20) + 1, dtype=np.uint8).tobytes()
+    for data in (big, big[: 128 << 20], big[:1000], b""):
+        assert vllm_staged.file_digest(fmt.DIGEST_XXH3_PIECES, memoryview(data)) == _pieces_digest(data)
+    assert _pieces_digest(big) != _pieces_digest(big[:-1] + bytes([big[-1] ^ 1]))
+
+
+def _v2_from_v1(v1: Path, root: Path, kind: str = "xxh3_128") -> Path:
     """A committed version 2 area (slot 1) with v1's files, built with the contract module."""
     import xxhash
 
@@ -111,20 +131,22 @@ def _v2_from_v1(v1: Path, root: Path) -> Path:
     for i, f in enumerate(view.files):
         new = fmt.FileSpec(fmt.file_name(i, 0), f.size, None, f.tensors)
         files.append(new)
-        digests[new.name] = xxhash.xxh3_128((v1 / f.name).read_bytes()).hexdigest()
+        data = (v1 / f.name).read_bytes()
+        digests[new.name] = xxhash.xxh3_128(data).hexdigest() if kind == "xxh3_128" else _pieces_digest(data)
         for k in fmt.SLOTS:
             fmt.slot_dir(root, k).mkdir(mode=0o700, exist_ok=True)
             shutil.copyfile(v1 / f.name, fmt.slot_dir(root, k) / new.name)
     shutil.copyfile(v1 / "config.json", root / "config.json")
-    spec = fmt.AreaSpec(view.contract, fmt.DIGEST_XXH3, 1, 1, tuple(files), ("config.json",))
+    spec = fmt.AreaSpec(view.contract, kind, 1, 1, tuple(files), ("config.json",))
     fmt.write_json_atomic(root / fmt.AREA_JSON, spec.to_json())
     fmt.write_json_atomic(root / fmt.COMMIT_JSON, fmt.Commit(1, 7, digests, time.time()).to_json())
     return root
 
 
-def test_v2_committed_slot_locked_and_verified_on_request(mxfp8_moe, shm_root, tmp_path):
+@pytest.mark.parametrize("kind", ["xxh3_128", "xxh3_128-pieces-64MiB"])
+def test_v2_committed_slot_locked_and_verified_on_request(mxfp8_moe, shm_root, tmp_path, kind):
     v1 = staging.stage_checkpoint(mxfp8_moe, "v1").path
-    v2 = _v2_from_v1(v1, tmp_path / "v2")
+    v2 = _v2_from_v1(v1, tmp_path / "v2", kind)
     want = _source_tensors(mxfp8_moe)
     seen_lock = {}
 
@@ -146,7 +168,7 @@ def test_v2_committed_slot_locked_and_verified_on_request(mxfp8_moe, shm_root, t
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     called = []
-    with pytest.raises(vllm_staged.StagedLoadError, match=f"{victim.name} does not match its xxh3_128"):
+    with pytest.raises(vllm_staged.StagedLoadError, match=f"{victim.name} does not match its {kind} digest"):
         vllm_staged.load_staged(torch.nn.Module(), v2, lambda w: called.append(1), verify=True)
     assert not called
     # by default the digests are not recomputed (the writer made them from the same bytes)

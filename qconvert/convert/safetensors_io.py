@@ -447,6 +447,22 @@ def xxh3_128_hex(buf) -> str:
     return xxhash.xxh3_128_hexdigest(buf)
 
 
+def xxh3_128_piece(buf, start: int, end: int) -> bytes:
+    """The 16-byte xxh3_128 digest of ``buf[start:end]`` (one piece of a pieces digest)."""
+    import xxhash
+
+    view = memoryview(buf)[start:end]
+    try:
+        return xxhash.xxh3_128_digest(view)
+    finally:
+        view.release()
+
+
+def xxh3_128_of_pieces(piece_digests: list[bytes]) -> str:
+    """A ``xxh3_128-pieces`` digest from its pieces' digests, in order (formats/staging.py)."""
+    return xxh3_128_hex(b"".join(piece_digests))
+
+
 def xxh3_128_file(path: str | os.PathLike) -> str:
     """xxh3_128 of a whole file, through a read-only mapping (no copy)."""
     with open_regular(path) as f:

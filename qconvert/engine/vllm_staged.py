@@ -169,13 +169,18 @@ class StagedTensors:
 
 
 def file_digest(kind: str, buf) -> str:
-    """Digest of a whole staged file of the kind the area records (``xxh3_128`` or ``sha256``)."""
+    """Digest of a whole staged file of the kind the area records (``xxh3_128``, its pieces form,
+    or ``sha256``)."""
     from qconvert.formats import staging as fmt
 
     if kind == fmt.DIGEST_XXH3:
         from qconvert.convert.safetensors_io import xxh3_128_hex
 
         return xxh3_128_hex(buf)
+    if kind == fmt.DIGEST_XXH3_PIECES:
+        from qconvert.convert.safetensors_io import xxh3_128_of_pieces, xxh3_128_piece
+
+        return xxh3_128_of_pieces([xxh3_128_piece(buf, a, b) for a, b in fmt.digest_pieces(len(buf))])
     if kind == fmt.DIGEST_SHA256:
         import hashlib
 
@@ -187,7 +192,11 @@ def verify_files(view, maps: list[MappedFile], threads: int = 8) -> None:
     """Check every mapped file against the committed digests (threads: both hashes release the GIL)."""
 
     def one(m: MappedFile) -> str | None:
-        got = file_digest(view.digest, memoryview(m.mm))
+        buf = memoryview(m.mm)
+        try:
+            got = file_digest(view.digest, buf)
+        finally:
+            buf.release()
         return None if got == view.digests.get(m.name) else m.name
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(maps)))) as ex:

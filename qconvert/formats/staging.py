@@ -47,9 +47,19 @@ COMMIT_JSON = "commit.json"  # v2: replaced atomically at every commit
 SLOTS = (0, 1)
 LOCK_FILE = ".lock"  # in each slot directory
 
-DIGEST_XXH3 = "xxh3_128"
+DIGEST_XXH3 = "xxh3_128"  # over the whole file
+# xxh3_128 over the concatenated 16-byte xxh3_128 digests of the file's consecutive pieces of
+# DIGEST_PIECE_BYTES (the last one shorter; an empty file is one empty piece): the pieces of one
+# large file hash on several threads (docs/reload.md#staging-area-format). Written by refit.
+DIGEST_XXH3_PIECES = "xxh3_128-pieces-64MiB"
+DIGEST_PIECE_BYTES = 64 << 20
 DIGEST_SHA256 = "sha256"
-DIGEST_HEX_LEN = {DIGEST_XXH3: 32, DIGEST_SHA256: 64}
+DIGEST_HEX_LEN = {DIGEST_XXH3: 32, DIGEST_XXH3_PIECES: 32, DIGEST_SHA256: 64}
+
+
+def digest_pieces(size: int, piece: int = DIGEST_PIECE_BYTES) -> list[tuple[int, int]]:
+    """The ``[start, end)`` byte ranges a DIGEST_XXH3_PIECES digest hashes, in order."""
+    return [(a, min(size, a + piece)) for a in range(0, size, piece)] or [(0, 0)]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_RE = re.compile(r"^g(?P<group>\d{5})(?:-tp(?P<tp>\d+)-ep(?P<ep>\d+))?-(?P<part>\d{2})\.safetensors$")

@@ -24,10 +24,11 @@ persistent shared-memory staging area, commit, and reload them into running serv
   ``area.json`` is refused with one line naming the tensor.
 * **Layer by layer.** Tensors are buffered per layer group; when a group is complete its jobs run
   (on CUDA a layer's experts quantized as one stack per tensor kind, MXFP8 and NVFP4 alike, and
-  one NaN/Inf check for the group) and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
+  one NaN/Inf check for the group, read once the group's copies are done: no host sync) and its outputs are copied straight into the mapping: on CUDA, device-to-host on a copy stream
   overlapped with the next group's quantization, at most two groups of output alive; on CPU,
-  written into the mapping directly. No per-tensor ``.cpu()``, no sha256: each file's xxh3_128 is
-  computed by a thread pool as soon as its group is written.
+  written into the mapping directly. No per-tensor ``.cpu()``, no sha256: each file's xxh3_128 pieces
+  digest is computed by a thread pool as soon as its group is written (a large file's pieces on
+  several threads).
 * **Sharded trainers** (docs/reload.md#sharded-trainers): every trainer rank constructs a
   ``Refitter`` with its ``rank``/``world_size`` and calls ``stage()`` with the whole HF tensors of
   the layers it owns, then ``commit()``; rank 0's ``commit()`` waits for every rank's report (a
@@ -117,13 +118,17 @@ class _Copier:
         self.stream = torch.cuda.Stream() if cuda else None
         self.pending: list[tuple] = []
 
-    def put(self, dsts: list[tuple[torch.Tensor, torch.Tensor]], files: list[str]) -> None:
+    def put(self, dsts: list[tuple[torch.Tensor, torch.Tensor]], files: list[str], check=None) -> None:
+        """``check``: called once the group's copies are done, before its files are handed on (the
+        group's deferred NaN/Inf check: it raises to refuse the version)."""
         host = [(d, s) for d, s in dsts if s.device.type == "cpu"]
         dev = [(d, s) for d, s in dsts if s.device.type != "cpu"]
         for d, s in host:
             d.copy_(s)
         if not dev:
             self._retire_all()
+            if check is not None:
+                check()
             self.on_done(files)
             return
         ready = torch.cuda.Event()
@@ -134,14 +139,16 @@ class _Copier:
                 d.copy_(s, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self.pending.append((done, dev, files))
+        self.pending.append((done, dev, files, check))
         while len(self.pending) > 1:
             self._retire()
 
     def _retire(self) -> None:
-        done, dev, files = self.pending.pop(0)
+        done, dev, files, check = self.pending.pop(0)
         done.synchronize()
         del dev
+        if check is not None:
+            check()
         self.on_done(files)
 
     def _retire_all(self) -> None:
@@ -243,7 +250,8 @@ class Refitter:
         scheme = opts.scheme
         dialect = dialects.resolve_dialect(scheme, opts.dialect)
         # On CUDA the jobs' own NaN/Inf checks cost a host sync per tensor (hundreds per MoE layer):
-        # the jobs run unchecked and one batched check per layer group refuses the same inputs.
+        # the jobs run unchecked and one batched check per layer group, read when the group's
+        # copies are done (no sync of its own), refuses the same inputs.
         self._batched = self._dev.type == "cuda" if self._BATCHED is None else self._BATCHED
         self._check_group = self._batched and not opts.allow_non_finite
         built = build_jobs(plan, scheme, dialect, replace(opts, allow_non_finite=True) if self._check_group else opts)
@@ -330,7 +338,7 @@ class Refitter:
         for fname, data in _reference_files(self.reference, set(extra_files) | {staging.INDEX}).items():
             extra_files.setdefault(fname, data)
         contract = staging.layout_contract(out_config, outputs, layout)
-        self.spec = fs.AreaSpec(contract, fs.DIGEST_XXH3, tp, ep, tuple(files), tuple(sorted(extra_files)))
+        self.spec = fs.AreaSpec(contract, fs.DIGEST_XXH3_PIECES, tp, ep, tuple(files), tuple(sorted(extra_files)))
         self._open_area(headers, extra_files)
 
         self._maps = staging.SlotMaps(self.area, self.spec, cuda=self._dev.type == "cuda")
@@ -373,6 +381,10 @@ class Refitter:
 
     def _check_existing(self) -> None:
         have = fs.read_area_spec(self.area)
+        if have.digest != self.spec.digest and have.digest in _WRITABLE_DIGESTS:  # an area made by an older qconvert
+            import dataclasses
+
+            self.spec = dataclasses.replace(self.spec, digest=have.digest)
         why = have.mismatch(self.spec)
         if why:
             raise RefitError(
@@ -387,7 +399,7 @@ class Refitter:
         self._slot: int | None = None
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
         self._written: set[tuple] = set()
-        self._digests: dict[str, Future] = {}
+        self._digests: dict[str, list[Future]] = {}
         self._n_in = self._n_out = 0
 
     def _begin(self) -> None:
@@ -469,25 +481,41 @@ class Refitter:
 
     def _write_group(self, key: tuple) -> None:
         src = self._buffers.pop(key)
-        if self._check_group:
-            _check_finite_batched(src, self._plans[key].float_names)
         plan = self._plans[key]
+        check = _finite_check(src, plan.float_names) if self._check_group else None
         dsts = plan.copies(src, self._maps, self._slot)
         del src
         self._n_out += plan.n_out
         self._written.add(key)
-        self._copier.put(dsts, plan.file_names)
+        self._copier.put(dsts, plan.file_names, check)
 
     def _hash_files(self, names: list[str]) -> None:
+        """Digest the group's files on the pool as soon as their bytes are in place: a pieces digest
+        spreads one large file (the LM head's, at the end of a refit) over the threads."""
+        from qconvert.convert.safetensors_io import xxh3_128_piece
+
         slot = self._slot
         for n in names:
             mm = self._maps.buffer(slot, n)
-            self._digests[n] = self._pool.submit(_digest_mapping, mm)
+            if self.spec.digest == fs.DIGEST_XXH3:
+                self._digests[n] = [self._pool.submit(_digest_mapping, mm)]
+            else:
+                self._digests[n] = [
+                    self._pool.submit(xxh3_128_piece, mm, a, b) for a, b in fs.digest_pieces(len(mm))
+                ]
+
+    def _file_digests(self) -> dict[str, str]:
+        from qconvert.convert.safetensors_io import xxh3_128_of_pieces
+
+        if self.spec.digest == fs.DIGEST_XXH3:
+            return {n: fut[0].result() for n, fut in self._digests.items()}
+        return {n: xxh3_128_of_pieces([f.result() for f in futs]) for n, futs in self._digests.items()}
 
     def _abort(self) -> None:
         self._copier.drop()
-        for f in self._digests.values():
-            f.cancel()
+        for futs in self._digests.values():
+            for f in futs:
+                f.cancel()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -515,7 +543,7 @@ class Refitter:
                 raise RefitError(
                     f"refit: {self._missing(set(self._keys) - self._written)}; send every tensor of the model"
                 )
-            digests = {n: f.result() for n, f in self._digests.items()}
+            digests = self._file_digests()
             groups = sorted(self._gidx[k] for k in self._written)
             if self.world_size > 1:
                 report = fs.slot_dir(self.area, self._slot) / f".rank-{self.rank}.json"
@@ -818,22 +846,34 @@ def _has_floats(spec) -> bool:
     return dtype is not None and dtype.is_floating_point and shape.numel() > 0
 
 
-def _check_finite_batched(src: dict[str, torch.Tensor], names: list[str]) -> None:
-    """Refuse NaN/Inf in a layer group's inputs with one host sync: the L1 norm of each tensor
-    (torch._foreach_norm, a few launches for all of them, in fp32) is NaN or inf if the tensor
-    holds NaN or Inf; a tensor flagged only because its finite values overflow the sum is checked
-    exactly. ``names``: the group's floating-point inputs with elements, sorted."""
-    from qconvert.convert.jobs import non_finite_error
-
+def _finite_check(src: dict[str, torch.Tensor], names: list[str]):
+    """Refuse NaN/Inf in a layer group's inputs without a host sync per group: the L1 norm of each
+    tensor (torch._foreach_norm, a few launches for all of them, in fp32) is NaN or inf if the
+    tensor holds NaN or Inf. On CUDA the flags travel to page-locked memory on the compute stream,
+    ahead of the group's quantization, so they have landed once the group's copies are done: the
+    returned callable, run then, raises for a flagged tensor (one flagged only because its finite
+    values overflow the sum is checked exactly). The version is refused at that point, before
+    anything is committed. ``names``: the group's floating-point inputs with elements, sorted."""
     if not names:
-        return
-    norms = torch._foreach_norm([src[n] for n in names], 1, dtype=torch.float32)
-    flags = torch.isfinite(torch.stack(norms)).cpu()
-    if bool(flags.all()):
-        return
-    for n, ok in zip(names, flags.tolist()):
-        if not ok and not bool(torch.isfinite(src[n]).all()):
-            raise non_finite_error(n)
+        return None
+    inputs = [src[n] for n in names]  # kept until the check ran: the exact re-check reads them
+    norms = torch._foreach_norm(inputs, 1, dtype=torch.float32)
+    flags = torch.isfinite(torch.stack(norms))
+    if flags.is_cuda:
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        flags = host
+
+    def check() -> None:
+        from qconvert.convert.jobs import non_finite_error
+
+        if bool(flags.all()):
+            return
+        for n, x, ok in zip(names, inputs, flags.tolist()):
+            if not ok and not bool(torch.isfinite(x).all()):
+                raise non_finite_error(n)
+
+    return check
 
 
 def _unlink(p: Path) -> None:
@@ -841,6 +881,9 @@ def _unlink(p: Path) -> None:
         os.unlink(p)
     except FileNotFoundError:
         pass
+
+
+_WRITABLE_DIGESTS = (fs.DIGEST_XXH3_PIECES, fs.DIGEST_XXH3)
 
 
 def _digest_mapping(mm) -> str:
