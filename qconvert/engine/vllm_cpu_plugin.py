@@ -201,8 +201,9 @@ def _check_moe_layer(layer) -> None:
 def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The BF16 values of MXFP8 expert weights ``w`` [E, N, K] (float8_e4m3fn) with uint8 E8M0
     block scales [E, N, K/32]: bit for bit what vLLM's ``dequant_mxfp8_to_bf16`` gives (held by
-    tests/test_reload_staged.py on every code and scale), in about a quarter of its time on CPU and
-    with one expert's temporaries at a time instead of two fp32 copies of the whole tensor. Every
+    tests/test_reload_staged.py on every code and scale, the C kernel and the torch fallback alike),
+    in one pass of compiled C where the CPU kernels build (cpu_kernels.qc_mxfp8_to_bf16), else one
+    expert's temporaries at a time instead of two fp32 copies of the whole tensor. Every
     E4M3 value is exact in BF16 (a table lookup of the byte), and so is every power-of-two scale
     (fp32's exponent range); the BF16 product is rounded once from fp32, as vLLM's fp32 product is.
     Runs at every load and reload of a CPU MXFP8 MoE layer. ``out`` (BF16, contiguous, ``w``'s
@@ -217,11 +218,19 @@ def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor, out: torch.Tens
 
         got = dequant_mxfp8_to_bf16(w, scales)
         return got if out is None else out.copy_(got)
-    descale = torch.exp2(scales.to(torch.float32) - 127.0).to(torch.bfloat16)
     if out is None:
         out = torch.empty(w.shape, dtype=torch.bfloat16)
     elif out.dtype != torch.bfloat16 or out.shape != w.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous BF16 of shape {tuple(w.shape)}")
+    from qconvert.convert.numerics import cpu_kernels
+
+    if w.is_cpu and w.is_contiguous() and scales.is_contiguous() and cpu_kernels.library() is not None:
+        # one pass in C on the worker's threads: read each byte once, write each BF16 once
+        cpu_kernels.mxfp8_to_bf16_into(
+            w.view(torch.uint8).view(-1, 32), scales.view(-1), out.view(-1, 32), torch.get_num_threads()
+        )
+        return out
+    descale = torch.exp2(scales.to(torch.float32) - 127.0).to(torch.bfloat16)
     # two codes per lookup: the 16 bits of a pair of E4M3 bytes index a table of their two BF16
     # values (65536 x 4 bytes, cache-resident), 2.5x faster than one byte per lookup on CPU; the
     # index buffer is allocated once per call, not per expert (fresh pages fault on first touch)

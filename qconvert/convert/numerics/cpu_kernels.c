@@ -697,3 +697,26 @@ void qc_decode_stats(const void *x, int kind, int64_t b0, int64_t b1, int bs, in
     *worst = w;
     *first = f;
 }
+
+/* MXFP8 to BF16: blocks [b0, b1) of 32 E4M3 codes ``q`` with one E8M0 byte each in ``s``, into
+ * ``out``: the fp32 product of the code's value and 2^(s-127) (2^-127 an fp32 subnormal, 255 gives
+ * 2^128 = inf, as fp32 exp2 does), rounded to BF16 to nearest even; a NaN is written 0xFFFF (what
+ * torch's vectorized fp32 -> bf16 conversion writes). One IEEE multiply and one rounding per
+ * element, the same operations as torch's ``(q.float() * exp2(s - 127.0)).to(bfloat16)``
+ * (docs/formats.md#mxfp8-dequantization-for-cpu-experts). Branch-free, so the loop vectorizes. */
+static inline uint16_t bf16_rne_nan_ffff(float f) {
+    uint32_t u = f2u(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)sel((u & 0x7FFFFFFFu) > 0x7F800000u, 0xFFFFu, r);
+}
+
+void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
+                      uint16_t *restrict out) {
+    for (int64_t b = b0; b < b1; b++) {
+        const uint32_t e = s[b];
+        const float sc = u2f(e == 0 ? 0x00400000u : e == 255 ? 0x7F800000u : e << 23);
+        const uint8_t *restrict qb = q + b * 32;
+        uint16_t *restrict ob = out + b * 32;
+        for (int i = 0; i < 32; i++) ob[i] = bf16_rne_nan_ffff(e4m3_value(qb[i]) * sc);
+    }
+}

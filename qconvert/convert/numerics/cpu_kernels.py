@@ -156,6 +156,8 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
     lib.qc_avx2.restype = ctypes.c_int
     lib.qc_decode_stats.argtypes = [p, i, i64, i64, i, i, p, p, p, p, f, f, f, p, p, p, p]
     lib.qc_decode_stats.restype = None
+    lib.qc_mxfp8_to_bf16.argtypes = [p, p, i64, i64, p]
+    lib.qc_mxfp8_to_bf16.restype = None
     return lib, ""
 
 
@@ -224,6 +226,13 @@ def _self_check(lib: ctypes.CDLL) -> str:
                         lib.qc_nvfp4(xb.data_ptr(), kind, 0, xb.shape[0], *args)
                     if not (torch.equal(pk, pk_ref) and torch.equal(sc, sc_ref.view(torch.uint8))):
                         return f"NVFP4 {recipe}, {name}, global amax {gv:g}, {path} loops"
+    # MXFP8 -> BF16: every code under every scale byte
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).view(-1, 32)
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lib.qc_mxfp8_to_bf16(q.data_ptr(), s.data_ptr(), 0, s.numel(), out.data_ptr())
+    if not torch.equal(out.view(torch.int16), mxfp8_to_bf16_reference(q, s).view(torch.int16)):
+        return "MXFP8 to BF16, every code and scale"
     return ""
 
 
@@ -290,6 +299,23 @@ def mxfp8_into(xb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, workers: int)
     kind = _KIND[xb.dtype]
     xp, qp, sp = xb.data_ptr(), q.data_ptr(), s.data_ptr()
     run_chunks(lambda b0, b1: lib.qc_mxfp8(xp, kind, b0, b1, qp, sp), xb.shape[0], workers)
+
+
+def mxfp8_to_bf16_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, workers: int) -> None:
+    """BF16 values of contiguous MXFP8 blocks ``q [n, 32]`` (uint8 or e4m3 bytes) with uint8 E8M0
+    ``s [n]`` into contiguous BF16 ``out [n, 32]``: ``(q.float() * exp2(s - 127.0)).to(bfloat16)``
+    bit for bit, NaN written 0xFFFF (``qc_mxfp8_to_bf16`` in ``cpu_kernels.c``)."""
+    lib = library()
+    qp, sp, op = q.data_ptr(), s.data_ptr(), out.data_ptr()
+    run_chunks(lambda b0, b1: lib.qc_mxfp8_to_bf16(qp, sp, b0, b1, op), s.numel(), workers, 1 << 12)
+
+
+def mxfp8_to_bf16_reference(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The torch definition :func:`mxfp8_to_bf16_into` computes (blocks ``q [n, 32]``, ``s [n]``)."""
+    x = q.view(torch.float8_e4m3fn).to(torch.float32) * torch.exp2(s.to(torch.float32) - 127.0).unsqueeze(-1)
+    out = x.to(torch.bfloat16)
+    out.view(torch.int16)[torch.isnan(x)] = -1  # 0xFFFF, whichever conversion loop torch took
+    return out
 
 
 def nvfp4_into(
