@@ -710,13 +710,35 @@ static inline uint16_t bf16_rne_nan_ffff(float f) {
     return (uint16_t)sel((u & 0x7FFFFFFFu) > 0x7F800000u, 0xFFFFu, r);
 }
 
+/* The same bits in 16-bit integer lanes, for scale bytes 10..246, where every product is a normal
+ * BF16 value (an E4M3 value has at most 4 significant bits and lies in [2^-9, 448]), so it is exact
+ * and needs no rounding: the code's BF16 bits with 2^(e-127) added to the exponent field. ``kk`` is
+ * (e - 7) << 7: the exponent field of a normal code 1.m x 2^(E-7) times 2^(e-127) is E + e - 7. */
+static inline uint16_t mx8_bf16_exact(uint16_t c, uint16_t kk) {
+    const uint16_t mag = c & 0x7Fu, m = c & 7u;
+    const uint16_t nor = (uint16_t)((mag << 4) + kk); /* mag << 4 is E << 7 | m << 4 */
+    /* subnormal code m x 2^-9 = 2^(p-9) x (1 + f), p = floor(log2 m): field e - 9 + p */
+    const uint16_t p = (uint16_t)((m >= 2) + (m >= 4));
+    const uint16_t mul = p == 0 ? 128u : p == 1 ? 64u : 32u;
+    const uint16_t sub = (uint16_t)(kk + (p << 7) - (2u << 7) + ((m * mul) & 0x7Fu));
+    uint16_t r = (mag >> 3) ? nor : sub;
+    r = mag == 0 ? 0 : r;
+    r |= (uint16_t)((c & 0x80u) << 8);
+    return mag == 0x7Fu ? (uint16_t)0xFFFFu : r;
+}
+
 void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
                       uint16_t *restrict out) {
     for (int64_t b = b0; b < b1; b++) {
         const uint32_t e = s[b];
-        const float sc = u2f(e == 0 ? 0x00400000u : e == 255 ? 0x7F800000u : e << 23);
         const uint8_t *restrict qb = q + b * 32;
         uint16_t *restrict ob = out + b * 32;
-        for (int i = 0; i < 32; i++) ob[i] = bf16_rne_nan_ffff(e4m3_value(qb[i]) * sc);
+        if (e >= 10 && e <= 246) {
+            const uint16_t kk = (uint16_t)((e - 7u) << 7);
+            for (int i = 0; i < 32; i++) ob[i] = mx8_bf16_exact(qb[i], kk);
+        } else {
+            const float sc = u2f(e == 0 ? 0x00400000u : e == 255 ? 0x7F800000u : e << 23);
+            for (int i = 0; i < 32; i++) ob[i] = bf16_rne_nan_ffff(e4m3_value(qb[i]) * sc);
+        }
     }
 }
