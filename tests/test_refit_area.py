@@ -521,7 +521,9 @@ def test_cuda_refit_refuses_non_finite_without_committing(demo_moe, demo_moe_2, 
     with Refitter(demo_moe, _opts(scheme=scheme, device="cuda"), "nf") as r:
         assert r._check_group
         r.refit(items)
-        poisoned = [(n, poison(n, t, float("nan")) if n == bad else poison(n, t, 3.0e38) if n == huge else t) for n, t in items]
+        poisoned = [
+            (n, poison(n, t, float("nan")) if n == bad else poison(n, t, 3.0e38) if n == huge else t) for n, t in items
+        ]
         with pytest.raises(QConvertError) as e:
             r.refit(poisoned)
         assert str(e.value) == f"tensor {bad!r} contains NaN or Inf; fix the source weights or pass --allow-non-finite"

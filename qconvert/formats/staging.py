@@ -61,6 +61,7 @@ def digest_pieces(size: int, piece: int = DIGEST_PIECE_BYTES) -> list[tuple[int,
     """The ``[start, end)`` byte ranges a DIGEST_XXH3_PIECES digest hashes, in order."""
     return [(a, min(size, a + piece)) for a in range(0, size, piece)] or [(0, 0)]
 
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_RE = re.compile(r"^g(?P<group>\d{5})(?:-tp(?P<tp>\d+)-ep(?P<ep>\d+))?-(?P<part>\d{2})\.safetensors$")
 EXTRA_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")

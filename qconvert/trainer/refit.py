@@ -500,9 +500,7 @@ class Refitter:
             if self.spec.digest == fs.DIGEST_XXH3:
                 self._digests[n] = [self._pool.submit(_digest_mapping, mm)]
             else:
-                self._digests[n] = [
-                    self._pool.submit(xxh3_128_piece, mm, a, b) for a, b in fs.digest_pieces(len(mm))
-                ]
+                self._digests[n] = [self._pool.submit(xxh3_128_piece, mm, a, b) for a, b in fs.digest_pieces(len(mm))]
 
     def _file_digests(self) -> dict[str, str]:
         from qconvert.convert.safetensors_io import xxh3_128_of_pieces
