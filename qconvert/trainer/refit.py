@@ -857,14 +857,18 @@ def _finite_check(src: dict[str, torch.Tensor], names: list[str]):
     inputs = [src[n] for n in names]  # kept until the check ran: the exact re-check reads them
     norms = torch._foreach_norm(inputs, 1, dtype=torch.float32)
     flags = torch.isfinite(torch.stack(norms))
+    landed = None
     if flags.is_cuda:
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
-        flags = host
+        flags, landed = host, torch.cuda.Event()
+        landed.record()
 
     def check() -> None:
         from qconvert.convert.jobs import non_finite_error
 
+        if landed is not None:  # done already when the group's copies are (they were queued after it)
+            landed.synchronize()
         if bool(flags.all()):
             return
         for n, x, ok in zip(names, inputs, flags.tolist()):
