@@ -244,7 +244,7 @@ def timed_reload(urls, ckpt, **kw) -> dict:
     res = reload_vllm(urls, ckpt, **kw)
     total = time.perf_counter() - t0
     assert all(r.ok for r in res), res
-    return {"total_s": round(total, 4), **last_pause()}
+    return {"total_s": round(total, 4), **last_pause(), "load": res[0].load}
 
 
 # ------------------------------------------------------------------ stages
@@ -413,13 +413,14 @@ def st_refit(rec, root: Path):
 
 
 def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
-    """qconvert.refit of B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1 BF16)."""
+    """qconvert's Refitter fed B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1
+    BF16): the first refit (area created, mapped, registered) and three more into the same area."""
     import torch
     from safetensors.torch import load_file
 
-    from qconvert.convert.pipeline import ConvertOptions
+    from qconvert.convert.options import ConvertOptions
     from qconvert.convert.plan import PlanOptions
-    from qconvert.trainer.refit import refit
+    from qconvert.trainer.refit import Refitter
 
     timed_reload([srv.url], b, weight_version="B-converted")
     want = srv.greedy()
@@ -427,26 +428,24 @@ def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
     for f in sorted(b_src.glob("*.safetensors")):
         gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
     torch.cuda.synchronize()
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda")
     runs = []
-    for i in range(3):
-        t0 = time.perf_counter()
-        res = refit(
-            iter(gpu.items()),
-            reference=b_src,
-            urls=[srv.url],
-            stage_name="policy",
-            options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda"),
-            weight_version=f"B-refit{i}",
-        )
-        total = time.perf_counter() - t0
-        assert res.reload[0].ok
-        runs.append(
-            {
-                "total_s": round(total, 4),
-                **last_pause(),
-                "stage_s": round(total - (TIMES[-1]["resumed"] - TIMES[-1]["pause_sent"]), 4),
-            }
-        )
+    with Refitter(b_src, opts, "policy", [srv.url]) as r:
+        for i in range(4):
+            t0 = time.perf_counter()
+            res = r.refit(iter(gpu.items()), f"B-refit{i}")
+            total = time.perf_counter() - t0
+            assert res.reload and all(x.ok for x in res.reload), res.reload
+            runs.append(
+                {
+                    "first": i == 0,
+                    "total_s": round(total, 4),
+                    **{f"{k}_s": round(v, 4) for k, v in res.seconds.items()},
+                    **last_pause(),
+                    "load": res.reload[0].load,
+                }
+            )
+            log("refit", runs[-1])
     rec["runs"] = runs
     rec["equals_converted_reload"] = srv.greedy() == want
     timed_reload([srv.url], a, weight_version="A-after")
@@ -502,8 +501,47 @@ def st_synthetic(rec, root: Path, layers: int):
         rec["server_start_s"] = round(srv.start_s, 1)
         rec["reload_b_shm"] = [timed_reload([srv.url], b, via="shm", weight_version=f"B{i}") for i in range(2)]
         rec["reload_a_disk"] = [timed_reload([srv.url], a, weight_version=f"A{i}") for i in range(2)]
+        save()
+        refit_synthetic(rec.setdefault("refit", {}), srv, b_src)
     finally:
         srv.stop()
+
+
+def refit_synthetic(rec, srv: Server, b_src: Path):
+    """The Refitter on B's BF16 tensors held on the GPU, into the served synthetic model: each refit's
+    stage, commit and server reload (pause to resume)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qconvert.convert.options import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.trainer.refit import Refitter
+
+    gpu = {}
+    for f in sorted(b_src.glob("*.safetensors")):
+        gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
+    torch.cuda.synchronize()
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda")
+    runs = rec.setdefault("runs", [])
+    with Refitter(b_src, opts, "synth", [srv.url]) as r:
+        for i in range(4):
+            t0 = time.perf_counter()
+            res = r.refit(iter(gpu.items()), f"S{i}")
+            total = time.perf_counter() - t0
+            assert res.reload and all(x.ok for x in res.reload), res.reload
+            runs.append(
+                {
+                    "first": i == 0,
+                    "total_s": round(total, 4),
+                    **{f"{k}_s": round(v, 4) for k, v in res.seconds.items()},
+                    **last_pause(),
+                    "load": res.reload[0].load,
+                }
+            )
+            log("synthetic refit", runs[-1])
+            save()
+    del gpu
+    torch.cuda.empty_cache()
 
 
 def main():

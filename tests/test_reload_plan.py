@@ -100,3 +100,13 @@ def test_recording_refused(extra, why):
     m, served, other = _served()
     plan, got = record_plan(served, Staged(0), _loader(m, other, extra), key=("k",))
     assert plan is None and got == why
+
+
+def test_direct_load_is_cpu_only():
+    """A model whose parameters are not on the CPU (a GPU server) reloads layerwise, decided before
+    any vLLM-version-specific form check runs (docs/reload.md#vllm-direct-load)."""
+    from qconvert.engine.vllm_direct import Why, choose
+
+    on_meta = torch.nn.Linear(4, 4, device="meta")
+    assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
+    assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)

@@ -92,6 +92,7 @@ class Why(enum.Enum):
     DISABLED = "direct-disabled"  # QCONVERT_DIRECT_RELOAD=0, direct=False, or a LoRA server
     PRESHUFFLED = "preshuffled-area"
     NO_DIRECT_MODULE = "no-direct-module"
+    NOT_CPU = "not-cpu"  # the forms above are established for vLLM's CPU backend only
 
 
 def _param_metadata(module: torch.nn.Module) -> dict | None:
@@ -422,6 +423,8 @@ def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tup
         return None, Why.DISABLED
     if layout is not None:
         return None, Why.PRESHUFFLED
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return None, Why.NOT_CPU  # docs/reload.md#vllm-direct-load: GPU servers reload layerwise
     forms = plan(model)
     if not any(f is not Form.LAYERWISE for f, _ in forms.values()):
         return None, Why.NO_DIRECT_MODULE
