@@ -544,6 +544,12 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             )
             log("synthetic refit", runs[-1])
             save()
+        from qconvert.client.vllm_client import VllmClient
+
+        # the floor of the server's load: in its worker, the area's files mapped and copied to the GPU
+        (rec["copy_floor"],) = VllmClient(srv.url).collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
+        log("copy floor", rec["copy_floor"])
+        save()
     del gpu
     torch.cuda.empty_cache()
 

@@ -374,11 +374,13 @@ def copy_floor(
 ) -> dict:
     """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
     process, the files this rank would load mapped afresh (as a load maps them) and one plain copy
-    of every tensor into tensors of the same shapes and dtypes allocated (and touched) beforehand.
+    of every tensor into tensors of the same shapes and dtypes allocated (and touched) beforehand on
+    the model's device (on a GPU server: the host-to-device copy from the mappings).
     Returns the bytes and the best of ``repeat`` timings."""
     from qconvert.formats import staging as fmt
 
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
+    device = next(model.parameters()).device
     best, nbytes, n = float("inf"), 0, 0
     with fmt.committed(Path(area)) as view:
         files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
@@ -390,11 +392,13 @@ def copy_floor(
                 for f in files:
                     maps.append(map_file(view.directory, f))
                 src = [t for _, t in iter_tensors(maps)]
-                if dst is None:
-                    dst = [torch.zeros_like(t) for t in src]
+                if dst is None:  # on the model's device: a GPU server's floor is the host-to-device copy
+                    dst = [torch.zeros_like(t, device=device) for t in src]
                 else:
                     for s, d in zip(src, dst):
                         d.copy_(s)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
                     best = min(best, time.perf_counter() - t0)
                 nbytes, n = sum(s.nbytes for s in src), len(src)
                 del src
