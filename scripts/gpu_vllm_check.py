@@ -52,6 +52,7 @@ FORMATS = ["mxfp8", "mxfp8-last1", "mxfp8-modelopt", "nvfp4"]
 RESULT: dict = {"stages": {}}
 #: the bundle carries no FlashInfer; vLLM 0.26.0's sampler imports it unless told not to (seen on the H100)
 NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+PROFILE = 0  # --profile N: the synthetic stage also profiles one load (top N functions)
 OUT: Path = Path(".")
 
 
@@ -550,6 +551,14 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         (rec["copy_floor"],) = VllmClient(srv.url).collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
         log("copy floor", rec["copy_floor"])
         save()
+        if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
+            c = VllmClient(srv.url)
+            c.pause("wait")
+            try:
+                (rec["profiled_load"],) = c.collective_rpc("qconvert_load_staged", area=str(r.area), profile=PROFILE)
+            finally:
+                c.resume()
+            save()
     del gpu
     torch.cuda.empty_cache()
 
@@ -566,7 +575,10 @@ def main():
     ap.add_argument("--kl-reload", default=None, help="a format whose vllm.LLM also reloads B and A again")
     ap.add_argument("--prepare", action="store_true", help="only build and convert the checkpoints (no GPU)")
     ap.add_argument("--synthetic-layers", type=int, default=4)
+    ap.add_argument("--profile", type=int, default=0, help="synthetic: profile one server load (top N functions)")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(args.work)
