@@ -1,12 +1,13 @@
 """The direct form of dense MXFP8 linear layers on vLLM CPU (``Form.CPU_MXFP8_LINEAR``,
 qconvert/engine/vllm_direct.py, docs/reload.md#vllm-direct-load), without a server.
 
-Oracle: vLLM's own code. Real vLLM layers (``QKVParallelLinear`` and ``RowParallelLinear`` under the
-CPU plugin's MXFP8 config: ``ModelOptLinearMethod`` with ``EmulationMxfp8LinearKernel``) loaded with
-checkpoint B and processed by vLLM's ``process_weights_after_loading`` give the served tensors; the
-same layers serving checkpoint A and then loaded directly with B must serve exactly those bytes
-(in the storage they served before), and so after vLLM's own layerwise reload in between. The
-served model (tokens and logprobs against a fresh server) is tests/test_reload_direct.py."""
+Oracle: vLLM's own code. Real vLLM layers (``QKVParallelLinear`` with a bias and
+``RowParallelLinear`` under the CPU plugin's MXFP8 config: ``ModelOptLinearMethod`` with
+``EmulationMxfp8LinearKernel``) loaded with checkpoint B and processed by vLLM's
+``process_weights_after_loading`` give the served tensors; the same layers serving checkpoint A and
+then loaded directly with B must serve exactly those bytes (in the storage they served before),
+and so after vLLM's own layerwise reload in between. The served model (tokens and logprobs against
+a fresh server) is tests/test_reload_direct.py."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _model(plugin):
     class Attn(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.qkv_proj = QKVParallelLinear(K, HEAD, HEADS, KV_HEADS, bias=False, quant_config=cfg, prefix="qkv_proj")
+            self.qkv_proj = QKVParallelLinear(K, HEAD, HEADS, KV_HEADS, bias=True, quant_config=cfg, prefix="qkv_proj")
             self.o_proj = RowParallelLinear(HEADS * HEAD, K, bias=False, quant_config=cfg, prefix="o_proj")
 
         def load_weights(self, weights):
@@ -83,6 +84,8 @@ def _checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
         s = torch.randint(100, 150, (n, k // 32), dtype=torch.uint8, generator=g)
         s[0, 0], s[1, 0], s[2, 0] = 0, 254, 127
         out += [(f"{name}.weight", w.view(torch.float8_e4m3fn)), (f"{name}.weight_scale", s)]
+        if name != "o_proj":  # q/k/v with a bias (Qwen2's), served as loaded
+            out.append((f"{name}.bias", torch.randn(n, generator=g).to(torch.bfloat16)))
     return out
 
 
