@@ -35,7 +35,8 @@ module's quant method and backend (vLLM 0.32.0 CPU), never by trying and catchin
   Those layers still go through vLLM's layerwise reload, in the same pass over the tensors.
 
 One pass: the direct modules are marked so that ``initialize_layerwise_reload`` leaves them alone,
-their parameters are swapped for views of the kernel storage carrying the attributes vLLM recorded
+their parameters are swapped for views of the storage their loads write (the served storage; the kept
+FP8 weight of a ``Form.CPU_MXFP8_LINEAR`` module) carrying the attributes vLLM recorded
 at model build (``weight_loader``, shard dims), ``model.load_weights`` runs over every tensor, the
 kernel parameters are put back and ``finalize_layerwise_reload`` finishes the layerwise ones.
 
