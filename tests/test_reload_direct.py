@@ -5,9 +5,11 @@ Oracle: vLLM itself. A server started fresh on checkpoint B gives the greedy tok
 log-probabilities; the same server, reloaded directly to A, must give what vLLM's own layerwise
 reload of A gives, and reloaded directly to B (from A's tensors) and again A -> B, exactly the
 fresh server's tokens and logprobs. The
-model is the Qwen3-MoE demo in MXFP8 with its last layer BF16 (``_make_pair``'s default), so both
-direct forms run: BF16 CPU experts and the CPU plugin's MXFP8 experts; attention and the other
-linear layers take vLLM's layerwise reload in the same pass. A second check runs vLLM's offline
+model is the Qwen3-MoE demo in MXFP8 (both dialects vLLM serves it from: ``auto``, ``quant_method:
+mxfp8``, and ModelOpt) with its last layer BF16 (``_make_pair``'s default), so every direct form
+runs: BF16 CPU experts, the CPU plugin's MXFP8 experts and the dense MXFP8 linear layers (q/k/v and
+o on vLLM's ``EmulationMxfp8LinearKernel``, ``cpu-mxfp8-linear``: each one of them); the BF16
+linear layers, the router, embeddings and attention take vLLM's layerwise reload in the same pass. A second check runs vLLM's offline
 ``LLM(...)`` with its default multiprocessing engine core and the worker extension: the direct load
 equals vLLM's layerwise reload of the same area in the same engine.
 """
@@ -48,7 +50,24 @@ def _greedy_logprobs(url: str) -> list[tuple[str, list[float], list[dict]]]:
     return out
 
 
-def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
+def _mxfp8_linear_modules(ckpt) -> int:
+    """The dense MXFP8 linear modules vLLM builds from ``ckpt``: the modules of its block scales
+    outside the experts, q/k/v fused into one (Qwen3-MoE has no dense gate/up)."""
+    from safetensors import safe_open
+
+    mods = set()
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name.endswith(".weight_scale") and ".experts." not in name:
+                    mod = name.rsplit(".", 1)[0]
+                    assert mod.rsplit(".", 1)[1] in ("q_proj", "k_proj", "v_proj", "o_proj"), name
+                    mods.add(mod.replace(".k_proj", ".q_proj").replace(".v_proj", ".q_proj"))
+    return len(mods)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8-modelopt"])
+def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch, fmt):
     from test_reload_vllm import Server, _make_pair
 
     from qconvert.client.vllm_client import VllmClient
@@ -56,7 +75,9 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
 
     monkeypatch.setenv("QCONVERT_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
-    a, b, _ = _make_pair(tmp_path, "qwen3-moe:mxfp8")
+    a, b, _ = _make_pair(tmp_path, f"qwen3-moe:{fmt}")
+    n_linear = _mxfp8_linear_modules(a)
+    assert n_linear >= 2
     area_a = staging.stage_checkpoint(a, "a").path
     staging.stage_checkpoint(b, "b")
     srv = Server(b, tmp_path / "server.log")
@@ -68,8 +89,10 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch):
         (stats,) = res[0].load
         assert stats["path"] == "direct", stats
         plans.append((stats["plan"], stats["modules"]["planned-tensors"]))
-        # both direct forms ran; attention/linear layers went through vLLM's layerwise reload
+        # every direct form ran, the dense MXFP8 layers each in theirs; the BF16 linear layers,
+        # router, embeddings and attention went through vLLM's layerwise reload
         assert stats["modules"].get("cpu-moe", 0) == 1 and stats["modules"].get("cpu-mxfp8-moe", 0) >= 1, stats
+        assert stats["modules"].get("cpu-mxfp8-linear", 0) == n_linear, stats
         assert any(k.startswith("layerwise:") for k in stats["modules"]), stats
         assert stats["mappings_released"] is True
         assert stats["modules"]["direct-deferred"] == 0, stats  # no direct module went through vLLM's wrapper

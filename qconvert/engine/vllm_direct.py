@@ -19,12 +19,24 @@ module's quant method and backend (vLLM 0.32.0 CPU), never by trying and catchin
 * ``Form.CPU_MXFP8_MOE``: MXFP8 experts of qconvert's CPU emulation plugin: the FP8 weights and
   E8M0 scales are kept as loaded; the BF16 copy the experts run on is re-derived in place by the
   plugin's own function (``vllm_cpu_plugin.refresh_mxfp8_experts``).
+* ``Form.CPU_MXFP8_LINEAR``: dense MXFP8 linear layers (ModelOpt / ``quant_method: mxfp8``) on
+  vLLM's ``EmulationMxfp8LinearKernel`` (the CPU plugin registers it) with
+  ``VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD`` on (vLLM's default): vLLM serves the BF16
+  ``dequant_mxfp8_to_bf16`` of the loaded weight as ``weight`` and the loaded E8M0 scales as
+  ``weight_scale``, nothing else (no oneDNN packing: ``apply_weights`` is a plain ``F.linear``).
+  The load writes the FP8 weight into a kept FP8 tensor of the module (:data:`KEPT_WEIGHT`, made at
+  the module's first direct load) and the scales into the served ``weight_scale``; the served BF16
+  weight is then re-derived in place by the plugin's ``mxfp8_experts_to_bf16`` (bit for bit
+  vLLM's ``dequant_mxfp8_to_bf16``). The area must hold every tensor of such a module (a complete
+  checkpoint, as the client's compatibility check requires): its BF16 weight is re-derived from
+  the kept FP8 bytes whatever the load wrote.
 * ``Form.LAYERWISE``: everything else (linear layers, whose CPU kernel tensor is a oneDNN or
-  packed copy; embeddings; quantized dense layers; attention), with a :class:`Why` code. Those
-  layers still go through vLLM's layerwise reload, in the same pass over the tensors.
+  packed copy; embeddings; other quantized dense layers; attention), with a :class:`Why` code.
+  Those layers still go through vLLM's layerwise reload, in the same pass over the tensors.
 
 One pass: the direct modules are marked so that ``initialize_layerwise_reload`` leaves them alone,
-their parameters are swapped for views of the kernel storage carrying the attributes vLLM recorded
+their parameters are swapped for views of the storage their loads write (the served storage; the kept
+FP8 weight of a ``Form.CPU_MXFP8_LINEAR`` module) carrying the attributes vLLM recorded
 at model build (``weight_loader``, shard dims), ``model.load_weights`` runs over every tensor, the
 kernel parameters are put back and ``finalize_layerwise_reload`` finishes the layerwise ones.
 
@@ -62,6 +74,8 @@ PLAN_RECORDED = "recorded"
 PLAN_REPLAYED = "replayed"
 #: key of the module counts: tensors this load copied by the replayed plan (not through load_weights)
 PLANNED_KEY = "planned-tensors"
+#: attribute of a :data:`Form.CPU_MXFP8_LINEAR` module: the kept FP8 weight its loads write
+KEPT_WEIGHT = "_qc_mxfp8_weight"
 
 
 def direct_enabled() -> bool:
@@ -76,6 +90,7 @@ class Form(enum.Enum):
     PLAIN = "plain"
     CPU_MOE = "cpu-moe"
     CPU_MXFP8_MOE = "cpu-mxfp8-moe"
+    CPU_MXFP8_LINEAR = "cpu-mxfp8-linear"
     LAYERWISE = "layerwise"
 
 
@@ -104,11 +119,13 @@ def _param_metadata(module: torch.nn.Module) -> dict | None:
     return info.restore_metadata[0]
 
 
-def _kernel_matches_build(module: torch.nn.Module, meta: dict) -> bool:
-    """Every built parameter is still served with its build shape, dtype and strides."""
+def _kernel_matches_build(module: torch.nn.Module, meta: dict, served_dtype: dict | None = None) -> bool:
+    """Every built parameter is still served with its build shape, dtype (``served_dtype[name]``
+    where given) and strides."""
     for name, m in meta.items():
         p = module._parameters.get(name)
-        if p is None or p.is_meta or p.shape != m.shape or p.dtype != m.dtype or p.stride() != m.stride():
+        dtype = (served_dtype or {}).get(name, m.dtype)
+        if p is None or p.is_meta or p.shape != m.shape or p.dtype != dtype or p.stride() != m.stride():
             return False
     return True
 
@@ -123,15 +140,51 @@ def module_form(module: torch.nn.Module) -> tuple[Form, Why | None]:
     if meta is None or not meta:
         return Form.LAYERWISE, Why.NO_METADATA
     qm = getattr(module, "quant_method", None)
+    served_dtype = None
     if qm is None:
         form = Form.PLAIN
     else:
-        form = _moe_form(module, qm)
+        form = _mxfp8_linear_form(module, qm) or _moe_form(module, qm)
         if isinstance(form, Why):
             return Form.LAYERWISE, form
-    if not _kernel_matches_build(module, meta):
+        if form is Form.CPU_MXFP8_LINEAR:
+            if set(meta) - {"weight", "weight_scale", "bias"} or "weight_scale" not in meta:
+                return Form.LAYERWISE, Why.QUANT_METHOD
+            served_dtype = {"weight": torch.bfloat16}  # dequant_mxfp8_to_bf16's dtype, whatever the model's
+    if not _kernel_matches_build(module, meta, served_dtype):
         return Form.LAYERWISE, Why.SHAPE
     return form, None
+
+
+def _mxfp8_linear_form(module, qm) -> Form | Why | None:
+    """:data:`Form.CPU_MXFP8_LINEAR` for a dense MXFP8 layer whose ``process_weights_after_loading``
+    (vLLM 0.32.0 ``ModelOptLinearMethod``, ``EmulationMxfp8LinearKernel``) serves exactly
+    ``dequant_mxfp8_to_bf16(weight, weight_scale)`` and ``weight_scale``; ``Why.QUANT_METHOD`` for
+    an MXFP8 layer that does anything else; None for any other quant method."""
+    from vllm.model_executor.layers.quantization.modelopt import (
+        FormatScheme,
+        KDynamicNoParam,
+        KMxfp8Static,
+        ModelOptLinearMethod,
+    )
+
+    if type(qm) is not ModelOptLinearMethod or type(qm.wkey) is not KMxfp8Static:
+        return None
+    import vllm.envs as envs
+    from vllm.model_executor.kernels.linear import EmulationMxfp8LinearKernel
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    if (
+        type(qm.kernel) is not EmulationMxfp8LinearKernel  # other kernels repack or swizzle
+        or not envs.VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD  # then the FP8 weight is served as loaded
+        or type(qm.fmt) is not FormatScheme  # a format hook around the schemes' processing
+        or not (qm.akey is None or type(qm.akey) is KDynamicNoParam)  # an activation scale to process
+        or getattr(module, "is_bmm", False)
+        or getattr(module, "_retain_weight_for_gather", False)
+        or is_weights_pre_processed()
+    ):
+        return Why.QUANT_METHOD
+    return Form.CPU_MXFP8_LINEAR
 
 
 def _moe_form(module, qm) -> Form | Why:
@@ -188,10 +241,39 @@ def _view_with_build_attrs(module: torch.nn.Module, live: torch.Tensor, meta: to
     return view
 
 
+def _targets(module: torch.nn.Module, form: Form) -> dict[str, torch.Tensor]:
+    """The tensors a direct module's loads write, by parameter name: its served parameters, except
+    the weight of a :data:`Form.CPU_MXFP8_LINEAR` module, which is the kept FP8 weight (made here
+    at the module's first direct load, with the build's shape and dtype)."""
+    got = {n: p for n, p in module._parameters.items() if p is not None}
+    if form is Form.CPU_MXFP8_LINEAR:
+        meta = _param_metadata(module)["weight"]
+        kept = getattr(module, KEPT_WEIGHT, None)
+        if not isinstance(kept, torch.Tensor) or kept.shape != meta.shape or kept.dtype != meta.dtype:
+            kept = torch.empty(meta.shape, dtype=meta.dtype, device=got["weight"].device)
+            setattr(module, KEPT_WEIGHT, kept)
+        got["weight"] = kept
+    return got
+
+
+def refresh_mxfp8_linear(module: torch.nn.Module) -> None:
+    """A :data:`Form.CPU_MXFP8_LINEAR` module's served BF16 weight, re-derived in place from its
+    kept FP8 weight and served E8M0 scales: what vLLM's ``EmulationMxfp8LinearKernel.
+    process_weights_after_loading`` serves (``dequant_mxfp8_to_bf16``; the plugin's function is
+    that bit for bit, tests/test_reload_staged.py)."""
+    from qconvert.engine.vllm_cpu_plugin import mxfp8_experts_to_bf16
+
+    w = module._parameters["weight"]
+    mxfp8_experts_to_bf16(
+        getattr(module, KEPT_WEIGHT).unsqueeze(0), module.weight_scale.data.unsqueeze(0), out=w.data.unsqueeze(0)
+    )
+
+
 @contextmanager
-def _direct_modules(direct: list[torch.nn.Module]):
+def _direct_modules(forms: dict, direct: list[torch.nn.Module]):
     """Mark ``direct`` as in-load (so ``initialize_layerwise_reload`` skips them) and serve them
-    views of their kernel storage with build attributes; undo both on exit, on every path."""
+    views of the storage their loads write (:func:`_targets`) with build attributes; undo both on
+    exit, on every path."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
@@ -199,10 +281,10 @@ def _direct_modules(direct: list[torch.nn.Module]):
         for m in direct:
             info = get_layerwise_info(m)
             info.load_numel_total = 0  # can_load(): initialize_layerwise_reload passes it by
+            targets = _targets(m, forms[m][0])
             for name, meta in info.restore_metadata[0].items():
-                live = m._parameters[name]
-                swapped.append((m, name, live))
-                setattr(m, name, _view_with_build_attrs(m, live, meta))
+                swapped.append((m, name, m._parameters[name]))
+                setattr(m, name, _view_with_build_attrs(m, targets[name], meta))
         yield
     finally:
         for m, name, live in swapped:
@@ -224,13 +306,15 @@ def _geometry(t: torch.Tensor) -> tuple:
     return tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
-def _served(direct: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
-    """(module, name, served parameter) of every parameter of the direct modules."""
-    return [(m, n, p) for m in direct for n, p in m._parameters.items() if p is not None]
+def _served(forms: dict, direct: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(module, name, tensor the loads write: :func:`_targets`) of every parameter of the direct modules."""
+    return [(m, n, p) for m in direct for n, p in _targets(m, forms[m][0]).items()]
 
 
-def _served_signature(direct: list[torch.nn.Module]) -> tuple:
-    return tuple((id(m), n, p.untyped_storage().data_ptr(), p.dtype, *_geometry(p)) for m, n, p in _served(direct))
+def _served_signature(forms: dict, direct: list[torch.nn.Module]) -> tuple:
+    return tuple(
+        (id(m), n, p.untyped_storage().data_ptr(), p.dtype, *_geometry(p)) for m, n, p in _served(forms, direct)
+    )
 
 
 class CopyPlan:
@@ -363,14 +447,15 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plan_key(layout: tuple, direct: list[torch.nn.Module], forms: dict) -> tuple:
-    return (layout, tuple((id(m), forms[m][0]) for m in direct), _served_signature(direct))
+    return (layout, tuple((id(m), forms[m][0]) for m in direct), _served_signature(forms, direct))
 
 
 def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> dict:
     """One pass of ``model.load_weights`` over ``staged`` (vllm_staged.StagedTensors, or any
     iterable of (name, tensor)): modules of a direct form receive their tensors in their served
-    storage, the rest through vLLM's layerwise reload; then each direct form's own step
-    (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place). A ``staged`` with a ``layout``
+    storage (:func:`_targets`), the rest through vLLM's layerwise reload; then each direct form's
+    own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place;
+    :data:`Form.CPU_MXFP8_LINEAR`: :func:`refresh_mxfp8_linear`). A ``staged`` with a ``layout``
     gets the :class:`CopyPlan`: recorded by the first load of a layout, replayed by the next.
     Returns the module counts (:func:`summary`), the tensors the plan copied and ``plan`` (what
     happened to it)."""
@@ -388,7 +473,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     known = _PLANS.get(model)
     outcome, planned = "off", 0
     with torch.no_grad():
-        with _direct_modules(direct):
+        with _direct_modules(forms, direct):
             initialize_layerwise_reload(model)
             if key is not None and known is not None and known.key == key:
                 # the planned tensors' destinations are written by nothing else (CopyPlan), so
@@ -398,7 +483,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 outcome = PLAN_REPLAYED
             elif key is not None:
                 _PLANS.pop(model, None)
-                got, refused = record_plan(_served(direct), staged, model.load_weights, key)
+                got, refused = record_plan(_served(forms, direct), staged, model.load_weights, key)
                 if got is not None:
                     _PLANS[model] = got
                 outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"
@@ -413,6 +498,8 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
+            elif forms[m][0] is Form.CPU_MXFP8_LINEAR:
+                refresh_mxfp8_linear(m)
     return {**summary(forms), DEFERRED_KEY: deferred, PLANNED_KEY: planned, "plan": outcome}
 
 
