@@ -482,3 +482,40 @@ def test_sglang_reads_a_refit_area_from_its_committed_slot(demo_dense, shm_root)
     finally:
         srv.close()
     assert held == [str(fmt.slot_dir(v2, 1))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [4096, 256 << 20], ids=["small-chunks", "default-chunks"])
+def test_cuda_server_gets_device_views_equal_to_safetensors(mxfp8_moe, shm_root, monkeypatch, chunk):
+    """A model on a CUDA device gets every tensor as a device tensor (chunks copied ahead by a
+    thread), in the mapped order, bytes equal to the safetensors library's reading of the source;
+    a load that fails midway leaves no copy running and every mapping released."""
+    monkeypatch.setattr(vllm_staged, "CHUNK_BYTES", chunk)
+    area = staging.stage_checkpoint(mxfp8_moe, "gpu")
+    want = _source_tensors(mxfp8_moe)
+    model = torch.nn.Linear(1, 1, device="cuda")
+    got, order = {}, []
+
+    def reload_weights(weights):
+        for name, t in weights:
+            assert t.device.type == "cuda", name
+            order.append(name)
+            got[name] = t.clone()  # on the consumer's stream, as vLLM's loaders copy
+
+    stats = vllm_staged.load_staged(model, area.path, reload_weights)
+    assert set(got) == set(want) and stats["mappings_released"] is True
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(_bytes(got[name].cpu()), _bytes(t)), name
+    cpu_order = []
+    vllm_staged.load_staged(torch.nn.Module(), area.path, lambda w: cpu_order.extend(n for n, _ in w))
+    assert order == cpu_order
+
+    def fails(weights):
+        for i, (name, _t) in enumerate(weights):
+            if i == 3:
+                raise RuntimeError(f"stop at {name}")
+
+    with pytest.raises(RuntimeError, match="stop at"):
+        vllm_staged.load_staged(model, area.path, fails)
+    assert vllm_staged.load_staged(model, area.path, lambda w: None)["mappings_released"] is True

@@ -66,19 +66,21 @@ class MappedFile:
             got = self.typed[dtype] = self.base[: self.base.numel() // size * size].view(dtype)
         return got
 
-    def tensor(self, tname: str) -> torch.Tensor:
+    def tensor(self, tname: str, start: int = 0) -> torch.Tensor:
+        """The view of ``tname``; ``base`` holds the file's bytes from ``start`` on (a device chunk)."""
         from qconvert.convert.safetensors_io import DTYPES
 
         t = self.spec.tensors[tname]
         dtype = DTYPES[t.dtype][0]
         nbytes = t.nbytes
         if not nbytes:
-            return torch.empty(t.shape, dtype=dtype)
+            return torch.empty(t.shape, dtype=dtype, device=self.base.device)
         size = dtype.itemsize
-        if t.offset % size:
-            return self.base[t.offset : t.offset + nbytes].view(dtype).reshape(t.shape)
+        off = t.offset - start
+        if off % size:
+            return self.base[off : off + nbytes].view(dtype).reshape(t.shape)
         # one view op per tensor (a slice, a dtype view and a reshape cost 3x as much per tensor)
-        return torch.as_strided(self.whole(dtype), t.shape, _contiguous_strides(t.shape), t.offset // size)
+        return torch.as_strided(self.whole(dtype), t.shape, _contiguous_strides(t.shape), off // size)
 
     def close(self) -> bool:
         """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes)."""
@@ -129,6 +131,72 @@ def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
     for m in maps:
         for tname in sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset):
             yield tname, m.tensor(tname)
+
+
+#: a GPU server's load copies the mapped files to the GPU in chunks of about this many bytes (runs
+#: of whole tensors; a larger tensor is a chunk of its own), at most PREFETCH_CHUNKS ahead
+CHUNK_BYTES = 256 << 20
+PREFETCH_CHUNKS = 2
+
+
+def _chunks(m: MappedFile) -> list[tuple[int, int, list[str]]]:
+    """(start, end, names): runs of whole tensors of ``m`` in offset order, each spanning at most
+    CHUNK_BYTES (or one larger tensor)."""
+    out: list[tuple[int, int, list[str]]] = []
+    for n in sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset):
+        t = m.spec.tensors[n]
+        a, b = t.offset, t.offset + t.nbytes
+        if out and b - out[-1][0] <= CHUNK_BYTES:
+            out[-1] = (out[-1][0], b, [*out[-1][2], n])
+        else:
+            out.append((a, b, [n]))
+    return out
+
+
+def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_tensors` for a model on a CUDA device: the same (name, tensor) pairs, in the same
+    order, as views of device copies of the files. A thread copies each chunk of CHUNK_BYTES from
+    the mapping to the device (a host-to-device copy of pageable memory blocks the calling thread,
+    so it runs beside the loader's Python) on its own stream, up to PREFETCH_CHUNKS ahead; the
+    consumer's stream waits for a chunk's copy before its views are handed out. vLLM's per-tensor
+    copies are then device-to-device. Close the generator before unmapping ``maps``: that waits for
+    the copies in flight (docs/reload.md#vllm-staged-load)."""
+    from collections import deque
+
+    stream = torch.cuda.Stream(device)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="qconvert-h2d")
+    todo = deque((m, c) for m in maps for c in _chunks(m))
+    pending: deque = deque()
+
+    def fetch(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            dst.copy_(src)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def submit() -> None:
+        if todo:
+            m, (a, b, names) = todo.popleft()
+            buf = torch.empty(b - a, dtype=torch.uint8, device=device)  # on the consumer's stream
+            view = MappedFile(m.name, m.path, m.mm, buf, m.spec)
+            pending.append((view, a, names, pool.submit(fetch, m.base[a:b], buf)))
+
+    try:
+        for _ in range(PREFETCH_CHUNKS):
+            submit()
+        while pending:
+            view, a, names, fut = pending.popleft()
+            torch.cuda.current_stream(device).wait_event(fut.result())
+            submit()
+            for n in names:
+                yield n, view.tensor(n, start=a)
+    finally:
+        for *_, fut in pending:  # the thread reads the mappings: nothing may unmap them before it stops
+            fut.exception()
+        pool.shutdown(wait=True)
+        if pending:  # closed early: no chunk buffer goes back to the allocator while its copy runs
+            stream.synchronize()
 
 
 class StagedTensors:
@@ -303,6 +371,7 @@ def load_staged(
     t0 = time.perf_counter()
     root = Path(area)
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     maps: list[MappedFile] = []
     released = True
     try:
@@ -332,6 +401,12 @@ def load_staged(
                     if forms is not None:
                         extra["modules"] = direct_load(StagedTensors(maps), forms)
                         extra["plan"] = extra["modules"].pop("plan", None)
+                    elif layout is None and device.type == "cuda":
+                        it = iter_tensors_to_device(maps, device)
+                        try:
+                            reload_weights(it)
+                        finally:
+                            it.close()  # waits for the copies in flight before the files are unmapped
                     elif layout is None:
                         reload_weights(iter_tensors(maps))
                     else:
@@ -380,7 +455,7 @@ def copy_floor(
     from qconvert.formats import staging as fmt
 
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
-    device = next(model.parameters()).device
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     best, nbytes, n = float("inf"), 0, 0
     with fmt.committed(Path(area)) as view:
         files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
