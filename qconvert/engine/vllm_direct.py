@@ -148,7 +148,9 @@ def module_form(module: torch.nn.Module) -> tuple[Form, Why | None]:
         if isinstance(form, Why):
             return Form.LAYERWISE, form
         if form is Form.CPU_MXFP8_LINEAR:
-            if set(meta) - {"weight", "weight_scale", "bias"} or "weight_scale" not in meta:
+            from qconvert.formats.dialects import WEIGHT_SCALE  # vLLM's parameter is the checkpoint's name
+
+            if set(meta) - {"weight", WEIGHT_SCALE, "bias"} or WEIGHT_SCALE not in meta:
                 return Form.LAYERWISE, Why.QUANT_METHOD
             served_dtype = {"weight": torch.bfloat16}  # dequant_mxfp8_to_bf16's dtype, whatever the model's
     if not _kernel_matches_build(module, meta, served_dtype):
