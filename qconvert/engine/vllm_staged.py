@@ -137,6 +137,8 @@ def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
 #: of whole tensors; a larger tensor is a chunk of its own), at most PREFETCH_CHUNKS ahead
 CHUNK_BYTES = 256 << 20
 PREFETCH_CHUNKS = 2
+#: Server environment variable: ``0`` hands a GPU server host views as on CPU (no device chunks)
+DEVICE_CHUNKS_ENV = "QCONVERT_STAGED_DEVICE_CHUNKS"
 
 
 def _chunks(m: MappedFile) -> list[tuple[int, int, list[str]]]:
@@ -401,7 +403,7 @@ def load_staged(
                     if forms is not None:
                         extra["modules"] = direct_load(StagedTensors(maps), forms)
                         extra["plan"] = extra["modules"].pop("plan", None)
-                    elif layout is None and device.type == "cuda":
+                    elif layout is None and device.type == "cuda" and os.environ.get(DEVICE_CHUNKS_ENV, "1") != "0":
                         it = iter_tensors_to_device(maps, device)
                         try:
                             reload_weights(it)
