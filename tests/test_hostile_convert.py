@@ -432,3 +432,16 @@ def test_summary_says_fp32_weights_are_kept_fp32(tmp_path):
     assert f"{n_f32} F32" in line and "source's dtype" in line, line
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(out[k], t[k]) for k in t if t[k].dtype == torch.float32)
+
+
+def test_ctrl_c_handler_imports_nothing():
+    """The CLI's SIGINT handler runs wherever the main thread is, also inside an import; a second
+    Ctrl-C landing while the first handler imported a module found it half initialized and the
+    command exited 1 with an internal error instead of 130 (seen in the loop above). The handler
+    must import nothing."""
+    import dis
+
+    from qconvert.cli import guard
+
+    ops = {i.opname for i in dis.get_instructions(guard._first_sigint)}
+    assert not ops & {"IMPORT_NAME", "IMPORT_FROM"}, ops

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -19,6 +20,7 @@ import traceback
 import click
 
 from ..errors import QConvertError
+from ..interrupts import mark_stopping  # imported here: the Ctrl-C handler must import nothing
 
 DEBUG_VAR = "QCONVERT_DEBUG"
 EXIT_ERROR = 1
@@ -102,8 +104,6 @@ class GuardedGroup(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         entry_point = args is None  # the `qconvert` process itself (CliRunner passes args)
         if entry_point and threading.current_thread() is threading.main_thread():
-            import signal
-
             signal.signal(signal.SIGINT, _first_sigint)
         code = 0
         try:
@@ -139,11 +139,9 @@ def _first_sigint(signum, frame):
     are being joined: a second KeyboardInterrupt there would leave them running, and one during
     interpreter exit ends the process by the signal instead of exit 130), except inside
     ``interrupts.second_interrupt_allowed`` (a reload waiting for its servers to resume). Ctrl-\\
-    still quits."""
-    import signal
-
-    from ..interrupts import mark_stopping
-
+    still quits. It imports nothing: a Ctrl-C that lands while a module is being imported would
+    find it half initialized (seen: ``cannot import name 'mark_stopping' from partially initialized
+    module``, exit 1 instead of 130)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mark_stopping()  # code that waits on a server while stopping may take a second Ctrl-C (interrupts.py)
     raise KeyboardInterrupt
@@ -156,8 +154,6 @@ def _stray_threads() -> list[threading.Thread]:
 
 
 def _exit_process(code: int):
-    import signal
-
     # the command is done (its outcome printed): a Ctrl-C from here on has nothing to interrupt, and
     # one during interpreter exit would end the process by the signal (exit -2) instead of `code`
     signal.signal(signal.SIGINT, signal.SIG_IGN)
