@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -417,9 +418,9 @@ def st_refit(rec, root: Path):
         srv.stop()
 
 
-def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
-    """qconvert's Refitter fed B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1
-    BF16): the first refit (area created, mapped, registered) and three more into the same area."""
+@contextmanager
+def gpu_refitter(srv: Server, b_src: Path, name: str):
+    """B's BF16 tensors loaded onto the GPU, and a Refitter (MXFP8, last layer BF16) into ``srv``."""
     import torch
     from safetensors.torch import load_file
 
@@ -427,31 +428,47 @@ def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
     from qconvert.convert.plan import PlanOptions
     from qconvert.trainer.refit import Refitter
 
-    timed_reload([srv.url], b, weight_version="B-converted")
-    want = srv.greedy()
     gpu = {}
     for f in sorted(b_src.glob("*.safetensors")):
         gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
     torch.cuda.synchronize()
     opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda")
-    runs = []
-    with Refitter(b_src, opts, "policy", [srv.url]) as r:
-        for i in range(4):
-            t0 = time.perf_counter()
-            res = r.refit(iter(gpu.items()), f"B-refit{i}")
-            total = time.perf_counter() - t0
-            assert res.reload and all(x.ok for x in res.reload), res.reload
-            runs.append(
-                {
-                    "first": i == 0,
-                    "total_s": round(total, 4),
-                    **{f"{k}_s": round(v, 4) for k, v in res.seconds.items()},
-                    **last_pause(),
-                    "load": res.reload[0].load,
-                }
-            )
-            log("refit", runs[-1])
-    rec["runs"] = runs
+    try:
+        with Refitter(b_src, opts, name, [srv.url]) as r:
+            yield r, gpu
+    finally:
+        del gpu
+        torch.cuda.empty_cache()
+
+
+def timed_refits(r, gpu: dict, label: str, runs: list, n: int = 4) -> None:
+    """``n`` refits through ``r`` (the first creates, maps and registers the area): each one's
+    stage, commit and server reload (pause to resume), appended to ``runs``."""
+    for i in range(n):
+        t0 = time.perf_counter()
+        res = r.refit(iter(gpu.items()), f"{label}{i}")
+        total = time.perf_counter() - t0
+        assert res.reload and all(x.ok for x in res.reload), res.reload
+        runs.append(
+            {
+                "first": i == 0,
+                "total_s": round(total, 4),
+                **{f"{k}_s": round(v, 4) for k, v in res.seconds.items()},
+                **last_pause(),
+                "load": res.reload[0].load,
+            }
+        )
+        log(label, runs[-1])
+        save()
+
+
+def refit_on(rec, srv: Server, a: Path, b: Path, b_src: Path, orig: list[str]):
+    """qconvert's Refitter fed B's BF16 tensors (on the GPU) into a server serving A (MXFP8, last 1
+    BF16): the first refit (area created, mapped, registered) and three more into the same area."""
+    timed_reload([srv.url], b, weight_version="B-converted")
+    want = srv.greedy()
+    with gpu_refitter(srv, b_src, "policy") as (r, gpu):
+        timed_refits(r, gpu, "B-refit", rec.setdefault("runs", []))
     rec["equals_converted_reload"] = srv.greedy() == want
     timed_reload([srv.url], a, weight_version="A-after")
     rec["restored_exactly"] = srv.greedy() == orig
@@ -513,40 +530,12 @@ def st_synthetic(rec, root: Path, layers: int):
 
 
 def refit_synthetic(rec, srv: Server, b_src: Path):
-    """The Refitter on B's BF16 tensors held on the GPU, into the served synthetic model: each refit's
-    stage, commit and server reload (pause to resume)."""
-    import torch
-    from safetensors.torch import load_file
+    """The Refitter on B's BF16 tensors held on the GPU, into the served synthetic model; then the
+    server's copy floor for the same area and, with --profile, one profiled load."""
+    from qconvert.client.vllm_client import VllmClient
 
-    from qconvert.convert.options import ConvertOptions
-    from qconvert.convert.plan import PlanOptions
-    from qconvert.trainer.refit import Refitter
-
-    gpu = {}
-    for f in sorted(b_src.glob("*.safetensors")):
-        gpu.update({k: v.to("cuda") for k, v in load_file(f).items()})
-    torch.cuda.synchronize()
-    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, device="cuda")
-    runs = rec.setdefault("runs", [])
-    with Refitter(b_src, opts, "synth", [srv.url]) as r:
-        for i in range(4):
-            t0 = time.perf_counter()
-            res = r.refit(iter(gpu.items()), f"S{i}")
-            total = time.perf_counter() - t0
-            assert res.reload and all(x.ok for x in res.reload), res.reload
-            runs.append(
-                {
-                    "first": i == 0,
-                    "total_s": round(total, 4),
-                    **{f"{k}_s": round(v, 4) for k, v in res.seconds.items()},
-                    **last_pause(),
-                    "load": res.reload[0].load,
-                }
-            )
-            log("synthetic refit", runs[-1])
-            save()
-        from qconvert.client.vllm_client import VllmClient
-
+    with gpu_refitter(srv, b_src, "synth") as (r, gpu):
+        timed_refits(r, gpu, "synth-refit", rec.setdefault("runs", []))
         # the floor of the server's load: in its worker, the area's files mapped and copied to the GPU
         (rec["copy_floor"],) = VllmClient(srv.url).collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
         log("copy floor", rec["copy_floor"])
@@ -559,8 +548,6 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             finally:
                 c.resume()
             save()
-    del gpu
-    torch.cuda.empty_cache()
 
 
 def main():
