@@ -66,6 +66,10 @@ class MappedFile:
             got = self.typed[dtype] = self.base[: self.base.numel() // size * size].view(dtype)
         return got
 
+    def names(self) -> list[str]:
+        """The file's tensor names in data-offset order."""
+        return sorted(self.spec.tensors, key=lambda n: self.spec.tensors[n].offset)
+
     def tensor(self, tname: str, start: int = 0) -> torch.Tensor:
         """The view of ``tname``; ``base`` holds the file's bytes from ``start`` on (a device chunk)."""
         from qconvert.convert.safetensors_io import DTYPES
@@ -91,6 +95,11 @@ class MappedFile:
             return True
         except BufferError:
             return False
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where the served model lives (CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -129,7 +138,7 @@ def map_file(directory: Path, spec) -> MappedFile:
 def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view) of every tensor, file by file, in data-offset order (layer order across files)."""
     for m in maps:
-        for tname in sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset):
+        for tname in m.names():
             yield tname, m.tensor(tname)
 
 
@@ -145,13 +154,15 @@ def _chunks(m: MappedFile) -> list[tuple[int, int, list[str]]]:
     """(start, end, names): runs of whole tensors of ``m`` in offset order, each spanning at most
     CHUNK_BYTES (or one larger tensor)."""
     out: list[tuple[int, int, list[str]]] = []
-    for n in sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset):
+    for n in m.names():
         t = m.spec.tensors[n]
-        a, b = t.offset, t.offset + t.nbytes
-        if out and b - out[-1][0] <= CHUNK_BYTES:
-            out[-1] = (out[-1][0], b, [*out[-1][2], n])
+        end = t.offset + t.nbytes
+        if out and end - out[-1][0] <= CHUNK_BYTES:
+            start, _, names = out[-1]
+            names.append(n)
+            out[-1] = (start, end, names)
         else:
-            out.append((a, b, [n]))
+            out.append((t.offset, end, [n]))
     return out
 
 
@@ -211,7 +222,7 @@ class StagedTensors:
 
     def __init__(self, maps: list[MappedFile]):
         self.maps = {m.name: m for m in maps}
-        self.order = [(m, sorted(m.spec.tensors, key=lambda n: m.spec.tensors[n].offset)) for m in maps]
+        self.order = [(m, m.names()) for m in maps]
         self._file = {n: m.name for m, names in self.order for n in names}
         self.layout = tuple(
             (
@@ -373,7 +384,7 @@ def load_staged(
     t0 = time.perf_counter()
     root = Path(area)
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _model_device(model)
     maps: list[MappedFile] = []
     released = True
     try:
@@ -457,7 +468,7 @@ def copy_floor(
     from qconvert.formats import staging as fmt
 
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = _model_device(model)
     best, nbytes, n = float("inf"), 0, 0
     with fmt.committed(Path(area)) as view:
         files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
