@@ -504,3 +504,37 @@ def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
         guard._cancel_deferred()
         interrupts._stopping.clear()
     assert deferred >= 5, deferred  # signals did land inside the bookkeeping and were deferred
+
+
+def test_wait_all_releases_conditions_left_held_by_ctrl_c():
+    """A library caller keeps Python's own Ctrl-C handler, which raises inside
+    ``concurrent.futures.wait`` too; ``pool.wait_all`` must then release the futures' conditions
+    that wait left held (else the pool's threads block in ``set_result`` and the next wait never
+    ends). Random Ctrl-Cs land while it waits on 2000 finished futures."""
+    import concurrent.futures as cf
+
+    from qconvert.convert.numerics import pool
+
+    rng = random.Random(11)
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted = 0
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            done = [ex.submit(int) for _ in range(2000)]
+            cf.wait(done)
+            for _ in range(60):
+                timer = threading.Timer(rng.uniform(0.0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
+                try:
+                    timer.start()
+                    t0 = time.monotonic()
+                    while time.monotonic() - t0 < 5:
+                        pool.wait_all(done)
+                    pytest.fail("the Ctrl-C never arrived")
+                except KeyboardInterrupt:
+                    interrupted += 1
+                timer.join()
+                assert not [i for i, f in enumerate(done) if f._condition._is_owned()]
+            assert [f.result(timeout=10) for f in [ex.submit(lambda: 1) for _ in range(16)]] == [1] * 16
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    assert interrupted == 60

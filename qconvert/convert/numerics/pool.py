@@ -70,5 +70,19 @@ def wait_all(futures) -> None:
             break
         except KeyboardInterrupt as e:
             interrupted = e
+            _release_conditions(futures)
     if interrupted is not None:
         raise interrupted
+
+
+def _release_conditions(futures) -> None:
+    """Release the futures' conditions that this thread still holds. ``concurrent.futures.wait``
+    acquires every future's condition in turn; a KeyboardInterrupt raised between those acquires
+    (Python raises a Ctrl-C wherever the main thread is) leaves them held, the pool threads then
+    block for good in ``set_result`` and the wait above never ends (the CLI defers its own Ctrl-C
+    out of that code, ``cli/guard.py``; a library caller keeps Python's handler). The conditions
+    are re-entrant locks, so the holder is known; nothing else in this thread holds them here."""
+    for fut in futures:
+        cond = fut._condition  # the one private name used: stable since Python 3.2
+        while cond._is_owned():
+            cond.release()
