@@ -452,23 +452,54 @@ def test_ctrl_c_handler_imports_nothing():
     assert not ops & {"IMPORT_NAME", "IMPORT_FROM"}, ops
 
 
+def _ctrl_c_while_waiting(wait, handler, seed: int, rounds: int = 60, after_each=lambda: None) -> int:
+    """``rounds`` Ctrl-Cs, each at a random moment (0-10 ms), while the main thread runs
+    ``wait(done)`` in a loop over 2000 finished futures of a 4-thread pool (so that it spends its
+    time in ``concurrent.futures``' lock bookkeeping), with ``handler`` installed before each one.
+    After each: no future's condition left held by this thread, then ``after_each()``; at the end
+    the pool still finishes new work. Returns how many Ctrl-Cs surfaced as KeyboardInterrupt."""
+    import concurrent.futures as cf
+
+    rng = random.Random(seed)
+    prev = signal.getsignal(signal.SIGINT)
+    interrupted = 0
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            done = [ex.submit(int) for _ in range(2000)]
+            cf.wait(done)
+            for _ in range(rounds):
+                signal.signal(signal.SIGINT, handler)
+                timer = threading.Timer(rng.uniform(0.0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
+                try:
+                    timer.start()
+                    t0 = time.monotonic()
+                    while time.monotonic() - t0 < 5:
+                        wait(done)
+                    pytest.fail("the Ctrl-C never arrived")
+                except KeyboardInterrupt:
+                    interrupted += 1
+                timer.join()
+                assert not [i for i, f in enumerate(done) if f._condition._is_owned()]
+                after_each()
+            # new work still completes: no pool lock was left held
+            assert [f.result(timeout=10) for f in [ex.submit(lambda: 1) for _ in range(16)]] == [1] * 16
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    return interrupted
+
+
 def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
     """Python raises the handler's KeyboardInterrupt wherever the main thread is; inside
     ``concurrent.futures.wait`` (between acquiring the futures' conditions) that left them held,
     the pool's threads blocked for good in ``set_result`` and the CLI never exited after a Ctrl-C
     (the SIGINT test above hung in CI). The CLI's handler defers the interrupt while the main thread
-    runs the standard library's thread bookkeeping. Here random signals land while the main thread
-    runs ``concurrent.futures.wait`` over 2000 finished futures in a loop (so that it spends its
-    time in that bookkeeping; with Python's own handler 41 of 100 runs left a condition held):
-    after each one no future's condition may be left held by the main thread, and the pool must
-    still finish new work."""
+    runs the standard library's thread bookkeeping (with Python's own handler 41 of 100 such
+    Ctrl-Cs left a condition held)."""
     import concurrent.futures as cf
 
     from qconvert import interrupts
     from qconvert.cli import guard
 
-    rng = random.Random(7)
-    prev = signal.signal(signal.SIGINT, guard._first_sigint)
     deferred = 0
     real_defer = guard._deferred_sigint
 
@@ -477,32 +508,18 @@ def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
         deferred += 1
         real_defer(signum, frame)
 
+    def nothing_pending():
+        assert not guard._deferred_since
+
     guard._deferred_sigint = counting
     try:
-        with cf.ThreadPoolExecutor(4) as ex:
-            done = [ex.submit(int) for _ in range(2000)]
-            cf.wait(done)
-            for _ in range(60):
-                signal.signal(signal.SIGINT, guard._first_sigint)  # the handler ignores later ones
-                timer = threading.Timer(rng.uniform(0.0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
-                try:
-                    timer.start()
-                    t0 = time.monotonic()
-                    while time.monotonic() - t0 < 5:
-                        cf.wait(done)
-                    pytest.fail("the Ctrl-C never arrived")
-                except KeyboardInterrupt:
-                    pass
-                timer.join()
-                assert not [i for i, f in enumerate(done) if f._condition._is_owned()]
-                assert not guard._deferred_since  # nothing left pending
-            # new work still completes: no pool lock was left held
-            assert [f.result(timeout=10) for f in [ex.submit(lambda: 1) for _ in range(16)]] == [1] * 16
+        # the handler ignores later Ctrl-Cs, so the helper installs it again before each one
+        n = _ctrl_c_while_waiting(cf.wait, guard._first_sigint, seed=7, after_each=nothing_pending)
     finally:
         guard._deferred_sigint = real_defer
-        signal.signal(signal.SIGINT, prev)
         guard._cancel_deferred()
         interrupts._stopping.clear()
+    assert n == 60
     assert deferred >= 5, deferred  # signals did land inside the bookkeeping and were deferred
 
 
@@ -510,31 +527,7 @@ def test_wait_all_releases_conditions_left_held_by_ctrl_c():
     """A library caller keeps Python's own Ctrl-C handler, which raises inside
     ``concurrent.futures.wait`` too; ``pool.wait_all`` must then release the futures' conditions
     that wait left held (else the pool's threads block in ``set_result`` and the next wait never
-    ends). Random Ctrl-Cs land while it waits on 2000 finished futures."""
-    import concurrent.futures as cf
-
+    ends)."""
     from qconvert.convert.numerics import pool
 
-    rng = random.Random(11)
-    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupted = 0
-    try:
-        with cf.ThreadPoolExecutor(4) as ex:
-            done = [ex.submit(int) for _ in range(2000)]
-            cf.wait(done)
-            for _ in range(60):
-                timer = threading.Timer(rng.uniform(0.0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
-                try:
-                    timer.start()
-                    t0 = time.monotonic()
-                    while time.monotonic() - t0 < 5:
-                        pool.wait_all(done)
-                    pytest.fail("the Ctrl-C never arrived")
-                except KeyboardInterrupt:
-                    interrupted += 1
-                timer.join()
-                assert not [i for i, f in enumerate(done) if f._condition._is_owned()]
-            assert [f.result(timeout=10) for f in [ex.submit(lambda: 1) for _ in range(16)]] == [1] * 16
-    finally:
-        signal.signal(signal.SIGINT, prev)
-    assert interrupted == 60
+    assert _ctrl_c_while_waiting(pool.wait_all, signal.default_int_handler, seed=11) == 60
