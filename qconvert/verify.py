@@ -64,6 +64,7 @@ from .formats.schemes import (
     NVFP4_RECIPES,
 )
 from .inspect import read_checkpoint
+from .interrupts import ctrl_c_safe
 
 VERIFY_PROMPTS = [
     "The capital of France is",
@@ -1196,6 +1197,7 @@ class _Verifier:
 MAX_ENGINE_KL = {"mxfp8": 0.1, "nvfp4": 0.55}
 
 
+@ctrl_c_safe
 def verify(
     src: str,
     dst: str,

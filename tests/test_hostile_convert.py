@@ -488,20 +488,15 @@ def _ctrl_c_while_waiting(wait, handler, seed: int, rounds: int = 60, after_each
     return interrupted
 
 
-def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
-    """Python raises the handler's KeyboardInterrupt wherever the main thread is; inside
-    ``concurrent.futures.wait`` (between acquiring the futures' conditions) that left them held,
-    the pool's threads blocked for good in ``set_result`` and the CLI never exited after a Ctrl-C
-    (the SIGINT test above hung in CI). The CLI's handler defers the interrupt while the main thread
-    runs the standard library's thread bookkeeping (with Python's own handler 41 of 100 such
-    Ctrl-Cs left a condition held)."""
+def _count_deferrals(handler, seed: int) -> tuple[int, int]:
+    """``_ctrl_c_while_waiting`` over ``cf.wait`` with ``handler``; (Ctrl-Cs that surfaced, times a
+    Ctrl-C was deferred). Asserts no deferral is left pending after each."""
     import concurrent.futures as cf
 
     from qconvert import interrupts
-    from qconvert.cli import guard
 
     deferred = 0
-    real_defer = guard._deferred_sigint
+    real_defer = interrupts._deferred_sigint
 
     def counting(signum, frame):
         nonlocal deferred
@@ -509,18 +504,94 @@ def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
         real_defer(signum, frame)
 
     def nothing_pending():
-        assert not guard._deferred_since
+        assert not interrupts._deferred_since
 
-    guard._deferred_sigint = counting
+    interrupts._deferred_sigint = counting
     try:
-        # the handler ignores later Ctrl-Cs, so the helper installs it again before each one
-        n = _ctrl_c_while_waiting(cf.wait, guard._first_sigint, seed=7, after_each=nothing_pending)
+        n = _ctrl_c_while_waiting(cf.wait, handler, seed=seed, after_each=nothing_pending)
     finally:
-        guard._deferred_sigint = real_defer
-        guard._cancel_deferred()
+        interrupts._deferred_sigint = real_defer
+        interrupts.cancel_deferred()
         interrupts._stopping.clear()
+    return n, deferred
+
+
+def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
+    """Python raises the handler's KeyboardInterrupt wherever the main thread is; inside
+    ``concurrent.futures.wait`` (between acquiring the futures' conditions) that left them held,
+    the pool's threads blocked for good in ``set_result`` and the CLI never exited after a Ctrl-C
+    (the SIGINT test above hung in CI). The CLI's handler defers the interrupt while the main thread
+    runs the standard library's thread bookkeeping (with Python's own handler 41 of 100 such
+    Ctrl-Cs left a condition held)."""
+    from qconvert.cli import guard
+
+    # the handler ignores later Ctrl-Cs, so the helper installs it again before each one
+    n, deferred = _count_deferrals(guard._first_sigint, seed=7)
     assert n == 60
     assert deferred >= 5, deferred  # signals did land inside the bookkeeping and were deferred
+
+
+def test_library_callers_get_the_same_deferral():
+    """A library caller keeps Python's own handler; the public entry points that run threads
+    (``interrupts.ctrl_c_safe``) swap in one that raises every Ctrl-C as Python's does, but outside
+    the thread bookkeeping, and put Python's back afterwards."""
+    from qconvert import interrupts
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts.safe_ctrl_c():
+        handler = signal.getsignal(signal.SIGINT)
+        with interrupts.safe_ctrl_c():  # nested entry points: the outer one's handler stays
+            assert signal.getsignal(signal.SIGINT) is handler
+    assert handler is not signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    n, deferred = _count_deferrals(handler, seed=13)
+    assert n == 60
+    assert deferred >= 5, deferred
+    # a Ctrl-C still deferred when the call returns is raised then, not lost
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.safe_ctrl_c():
+            interrupts._deferred_since.append(time.monotonic())
+    assert not interrupts._deferred_since
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_public_entry_points_defer_ctrl_c(tmp_path, monkeypatch):
+    """Every public call that runs threads is wrapped, and a conversion runs its threads under the
+    deferring handler."""
+    from qconvert.client import sglang_client, staging, vllm_client
+    from qconvert.convert import conversion, runner, unshuffle
+    from qconvert.convert.demo import build_demo_model
+    from qconvert.refit import Refitter, refit, stage_refit
+    from qconvert.verify import verify
+
+    entry_points = [
+        conversion.convert,
+        unshuffle.unshuffle_checkpoint,
+        verify,
+        staging.stage_checkpoint,
+        vllm_client.reload_vllm,
+        sglang_client.reload_sglang,
+        Refitter.stage,
+        Refitter.commit,
+        Refitter.reload,
+        Refitter.refit,
+        refit,
+        stage_refit,
+    ]
+    assert [getattr(f, "ctrl_c_safe", False) for f in entry_points] == [True] * len(entry_points)
+    seen = []
+    real_run = runner.Runner.run
+
+    def recording(self, *a, **kw):
+        seen.append(signal.getsignal(signal.SIGINT))
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(runner.Runner, "run", recording)
+    src = build_demo_model(tmp_path / "src")
+    conversion.convert(str(src), tmp_path / "dst", "mxfp8")
+    assert seen and seen[0] not in (signal.default_int_handler, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_wait_all_releases_conditions_left_held_by_ctrl_c():

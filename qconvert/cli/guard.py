@@ -10,22 +10,17 @@ bug), is printed as one line naming the command, exit 1; Ctrl-C anywhere exits 1
 
 from __future__ import annotations
 
-import concurrent.futures._base
-import concurrent.futures.thread
-import dis
 import functools
 import os
-import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 
 import click
 
 from ..errors import QConvertError
-from ..interrupts import mark_stopping  # imported here: the Ctrl-C handler must import nothing
+from ..interrupts import cancel_deferred, mark_stopping, raise_when_safe  # the Ctrl-C handler imports nothing
 
 DEBUG_VAR = "QCONVERT_DEBUG"
 EXIT_ERROR = 1
@@ -147,80 +142,10 @@ def _first_sigint(signum, frame):
     still quits. It imports nothing: a Ctrl-C that lands while a module is being imported would
     find it half initialized (seen: ``cannot import name 'mark_stopping' from partially initialized
     module``, exit 1 instead of 130). The KeyboardInterrupt itself is raised only outside the
-    standard library's thread bookkeeping (:func:`_raise_when_safe`)."""
+    standard library's thread bookkeeping (:func:`qconvert.interrupts.raise_when_safe`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mark_stopping()  # code that waits on a server while stopping may take a second Ctrl-C (interrupts.py)
-    _raise_when_safe(frame)
-
-
-#: Python raises a signal handler's exception wherever the main thread is. Inside these files it
-#: can leave a lock held for good: ``concurrent.futures.wait`` interrupted between acquiring the
-#: futures' conditions leaves them acquired, every pool thread then blocks in ``set_result`` and
-#: the cleanup that joins them hangs (seen in CI: the SIGINT test's process never exited); the
-#: same holds for ``queue``, ``threading.Condition`` and the import machinery's module locks.
-_UNSAFE_FILES = frozenset(
-    {m.__file__ for m in (threading, queue, concurrent.futures._base, concurrent.futures.thread)}
-    | {"<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>"}
-)
-
-
-def _blocking_lines(*fns) -> frozenset:
-    """(code, line) of each lock acquire or join in ``fns``: where a thread blocks waiting, and
-    where the standard library itself cleans up after an exception (``Condition.wait``'s
-    ``finally``; ``Thread._wait_for_tstate_lock``, bpo-45274)."""
-    return frozenset(
-        (fn.__code__, ins.positions.lineno)
-        for fn in fns
-        for ins in dis.get_instructions(fn)
-        if ins.argval in ("acquire", "join") and ins.positions is not None
-    )
-
-
-#: the places inside _UNSAFE_FILES where a Ctrl-C is raised at once: the main thread waiting on a
-#: condition, an event, a future, a queue or a thread spends its time there, and a Ctrl-C must not
-#: wait DEFER_LIMIT_S for it
-_WAIT_POINTS = _blocking_lines(
-    threading.Condition.wait,
-    threading.Thread.join,
-    *[f for f in (getattr(threading.Thread, "_wait_for_tstate_lock", None),) if f is not None],
-)
-DEFER_PERIOD_S = 0.002  # how often a deferred Ctrl-C looks again whether the main thread has left
-DEFER_LIMIT_S = 1.0  # after this, raise wherever it is (a thread blocked for good must still stop)
-_deferred_since: list[float] = []  # when the pending (deferred) Ctrl-C arrived; empty if none
-
-
-def _in_bookkeeping(frame) -> bool:
-    """The main thread is running the standard library's own thread or import bookkeeping (its
-    innermost frame is in _UNSAFE_FILES), other than waiting at one of _WAIT_POINTS."""
-    if frame is None or frame.f_code.co_filename not in _UNSAFE_FILES:
-        return False
-    return (frame.f_code, frame.f_lineno) not in _WAIT_POINTS
-
-
-def _raise_when_safe(frame):
-    """Raise KeyboardInterrupt now, unless the main thread is in the standard library's thread
-    bookkeeping (:func:`_in_bookkeeping`): then look again every DEFER_PERIOD_S (SIGALRM) and raise
-    once it has left it (or after DEFER_LIMIT_S, or at once where there is no interval timer)."""
-    now = time.monotonic()
-    if not _deferred_since:
-        _deferred_since.append(now)
-    late = now - _deferred_since[0] >= DEFER_LIMIT_S
-    if late or not hasattr(signal, "setitimer") or not _in_bookkeeping(frame):
-        _cancel_deferred()
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGALRM, _deferred_sigint)
-    signal.setitimer(signal.ITIMER_REAL, DEFER_PERIOD_S)
-
-
-def _deferred_sigint(signum, frame):
-    _raise_when_safe(frame)
-
-
-def _cancel_deferred():
-    _deferred_since.clear()
-    if hasattr(signal, "setitimer"):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    raise_when_safe(frame)
 
 
 def _stray_threads() -> list[threading.Thread]:
@@ -233,7 +158,7 @@ def _exit_process(code: int):
     # the command is done (its outcome printed): a Ctrl-C from here on has nothing to interrupt, and
     # one during interpreter exit would end the process by the signal (exit -2) instead of `code`
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _cancel_deferred()
+    cancel_deferred()
     stray = _stray_threads()
     if not stray:
         sys.exit(code)

@@ -45,6 +45,7 @@ from qconvert.client.http import ServerClient, ServerError, clean, reply_field
 from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, load_paused, resolve_source
 from qconvert.client.staging import read_layout
 from qconvert.errors import QConvertError
+from qconvert.interrupts import ctrl_c_safe
 
 log = logging.getLogger("qconvert.reload")
 
@@ -206,6 +207,7 @@ def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush
     )
 
 
+@ctrl_c_safe
 def reload_sglang(
     urls: list[str],
     ckpt: str | os.PathLike,

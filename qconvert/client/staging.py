@@ -63,6 +63,7 @@ from qconvert.formats.staging import (
 from qconvert.formats.staging import (
     manifest_digest_v1 as _manifest_digest,
 )
+from qconvert.interrupts import ctrl_c_safe
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Files copied from a checkpoint next to the shards (small, non-weight).
@@ -355,6 +356,7 @@ def rank_of(name: str, layout: dict | None) -> tuple[int, int] | None:
     return parse_rank_tag(m.group(1)) if m else None
 
 
+@ctrl_c_safe
 def stage_checkpoint(ckpt: str | os.PathLike, name: str, *, root: Path | None = None) -> StagingArea:
     """Copy a safetensors checkpoint directory into the staging area ``name`` (replacing it)."""
 

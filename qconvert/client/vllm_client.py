@@ -63,6 +63,7 @@ from qconvert.client.reload import (
 )
 from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC, STAGED_RPC
 from qconvert.errors import QConvertError
+from qconvert.interrupts import ctrl_c_safe
 
 __all__ = [
     "VllmClient",
@@ -405,6 +406,7 @@ def _reload_one(
     return res
 
 
+@ctrl_c_safe
 def reload_vllm(
     urls: list[str],
     ckpt: str | os.PathLike,

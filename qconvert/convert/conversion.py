@@ -16,6 +16,7 @@ import torch
 
 from ..errors import OutputError, QConvertError
 from ..formats import dialects
+from ..interrupts import ctrl_c_safe
 from . import decode, destination, fp8_source, fused, kernels
 from . import resume as _resume
 from .checkpoint import Checkpoint, load_checkpoint
@@ -26,6 +27,7 @@ from .plan import Plan, build_plan
 from .runner import Runner
 
 
+@ctrl_c_safe
 def convert(
     src: str,
     dst: str | os.PathLike | None,

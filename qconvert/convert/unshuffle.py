@@ -17,12 +17,14 @@ import torch
 from ..errors import CheckpointError, OutputError
 from ..formats.dialects import NVFP4_SCALAR_SUFFIXES, mxfp8_scale_suffix
 from ..formats.manifest import LAYOUT_KEY, MANIFEST_NAME, layout_section
+from ..interrupts import ctrl_c_safe
 from .checkpoint import INDEX_NAME
 from .layout_jobs import parse_rank_tag
 from .layouts import trtllm
 from .safetensors_io import ShardReader, ShardWriter, sha256_file
 
 
+@ctrl_c_safe
 def unshuffle_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, force: bool = False) -> dict:
     from .checkpoint import guard, open_checkpoint
     from .destination import check_dst as _check_dst

@@ -52,6 +52,7 @@ import torch
 from qconvert.client import staging
 from qconvert.errors import QConvertError
 from qconvert.formats import staging as fs
+from qconvert.interrupts import ctrl_c_safe
 
 _RANK_TAG = re.compile(r"\.(trtllm(?:_tp\d+_ep\d+)?)\.")
 
@@ -428,6 +429,7 @@ class Refitter:
             self._lock = lock
         self._version, self._slot = have + 1, slot
 
+    @ctrl_c_safe
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Quantize and write ``named_tensors`` (Hugging Face names; this rank's layers, whole
         tensors) into the slot being written. May be called several times before :meth:`commit`.
@@ -523,6 +525,7 @@ class Refitter:
         names = sorted(s for k in keys for s in self._need[k] - self._buffers.get(k, {}).keys())
         return f"{len(names)} tensors never arrived (e.g. {names[:3]})"
 
+    @ctrl_c_safe
     def commit(self) -> Staged | None:
         """Make the staged version visible (rank 0; other ranks report theirs and return None)."""
         self._check_open()
@@ -622,6 +625,7 @@ class Refitter:
 
     # ------------------------------------------------------------------ servers
 
+    @ctrl_c_safe
     def reload(self, weight_version: str | None = None) -> list:
         """Reload the committed version into ``urls`` (rank 0; other ranks: nothing to do). vLLM
         servers read the area where it is, through qconvert's worker extension (each rank its own
@@ -641,6 +645,7 @@ class Refitter:
 
         return reload_sglang(self.urls, str(self.area), pause=self.pause or "retract", **kw)
 
+    @ctrl_c_safe
     def refit(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
     ) -> RefitResult:
@@ -901,6 +906,7 @@ def _digest_mapping(mm) -> str:
 # ---------------------------------------------------------------------- the one-call functions
 
 
+@ctrl_c_safe
 def stage_refit(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -917,6 +923,7 @@ def stage_refit(
         return RefitResult(r.commit(), tensors_in=n_in, tensors_out=n_out)
 
 
+@ctrl_c_safe
 def refit(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
