@@ -540,6 +540,20 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         (rec["copy_floor"],) = VllmClient(srv.url).collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
         log("copy floor", rec["copy_floor"])
         save()
+        # the GPU load with the device chunks (the default) against host views, alternating in
+        # this one server: pause, load the same committed area, resume
+        c = VllmClient(srv.url)
+        ab = rec.setdefault("device_chunks_ab", [])
+        for _ in range(3):
+            for chunks in (True, False):
+                c.pause("wait")
+                try:
+                    (st,) = c.collective_rpc("qconvert_load_staged", area=str(r.area), device_chunks=chunks)
+                finally:
+                    c.resume()
+                ab.append({k: st.get(k) for k in ("device_chunks", "load_seconds", "seconds", "bytes", "path", "why")})
+                log("device chunks A/B", ab[-1])
+        save()
         if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
             c = VllmClient(srv.url)
             c.pause("wait")

@@ -159,8 +159,9 @@ def test_v2_committed_slot_locked_and_verified_on_request(mxfp8_moe, shm_root, t
         seen_lock["ok"] = True
         assert all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in want.items())
 
-    stats = vllm_staged.load_staged(torch.nn.Module(), v2, reload_weights, verify=True)
+    stats = vllm_staged.load_staged(torch.nn.Module(), v2, reload_weights, verify=True, device_chunks=True)
     assert seen_lock["ok"] and stats["version"] == 7 and stats["slot"] == 1 and stats["verified"]
+    assert stats["device_chunks"] is False  # a CPU model: host views, whatever is asked
     fmt.SlotLock(v2, 1, shared=False, wait_s=0.05).release()  # released after the load
     # a flipped byte in the committed slot: found with verify=True, nothing handed to vLLM
     victim = fmt.slot_dir(v2, 1) / fmt.file_name(1, 0)
@@ -503,13 +504,19 @@ def test_cuda_server_gets_device_views_equal_to_safetensors(mxfp8_moe, shm_root,
             got[name] = t.clone()  # on the consumer's stream, as vLLM's loaders copy
 
     stats = vllm_staged.load_staged(model, area.path, reload_weights)
-    assert set(got) == set(want) and stats["mappings_released"] is True
+    assert set(got) == set(want) and stats["mappings_released"] is True and stats["device_chunks"] is True
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
         assert torch.equal(_bytes(got[name].cpu()), _bytes(t)), name
     cpu_order = []
-    vllm_staged.load_staged(torch.nn.Module(), area.path, lambda w: cpu_order.extend(n for n, _ in w))
-    assert order == cpu_order
+    st = vllm_staged.load_staged(torch.nn.Module(), area.path, lambda w: cpu_order.extend(n for n, _ in w))
+    assert order == cpu_order and st["device_chunks"] is False
+    # the caller turns the chunks off for one load (scripts/gpu_vllm_check.py's A/B): host views
+    devices = set()
+    st = vllm_staged.load_staged(
+        model, area.path, lambda w: devices.update(t.device.type for _, t in w), device_chunks=False
+    )
+    assert devices == {"cpu"} and st["device_chunks"] is False
 
     def fails(weights):
         for i, (name, _t) in enumerate(weights):

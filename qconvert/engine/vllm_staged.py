@@ -369,6 +369,7 @@ def load_staged(
     ranks: tuple[int, int, int, int] | None = None,
     profile: int = 0,
     direct_load=None,
+    device_chunks: bool | None = None,
 ) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
@@ -378,13 +379,17 @@ def load_staged(
     applies to; ``path`` in the result says which ran (``why``: the reason code of a layerwise
     load, ``modules``: the direct load's module counts per form). Returns JSON-serialisable
     statistics (with ``profile`` > 0, also the load's ``profile`` most expensive functions by
-    cumulative time: scripts/bench_reload.py)."""
+    cumulative time: scripts/bench_reload.py). ``device_chunks`` (default: on unless
+    DEVICE_CHUNKS_ENV is ``0``) copies a GPU server's files to the device in chunks first
+    (:func:`iter_tensors_to_device`); ``device_chunks`` in the result says whether it did."""
     from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
     root = Path(area)
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
     device = _model_device(model)
+    if device_chunks is None:
+        device_chunks = os.environ.get(DEVICE_CHUNKS_ENV, "1") != "0"
     maps: list[MappedFile] = []
     released = True
     try:
@@ -398,7 +403,8 @@ def load_staged(
             t_verify = time.perf_counter()
             layout = _layout_of(view)
             n_tensors = sum(len(m.spec.tensors) for m in maps)
-            extra: dict = {}
+            chunked = layout is None and device.type == "cuda" and bool(device_chunks)
+            extra: dict = {"device_chunks": chunked}
 
             forms, why = None, None
             if layout is None:
@@ -414,7 +420,7 @@ def load_staged(
                     if forms is not None:
                         extra["modules"] = direct_load(StagedTensors(maps), forms)
                         extra["plan"] = extra["modules"].pop("plan", None)
-                    elif layout is None and device.type == "cuda" and os.environ.get(DEVICE_CHUNKS_ENV, "1") != "0":
+                    elif chunked:
                         it = iter_tensors_to_device(maps, device)
                         try:
                             reload_weights(it)
@@ -497,11 +503,17 @@ def copy_floor(
 
 
 def load_staged_into_worker(
-    worker, area: str, verify: bool = False, profile: int = 0, direct: bool | None = None
+    worker,
+    area: str,
+    verify: bool = False,
+    profile: int = 0,
+    direct: bool | None = None,
+    device_chunks: bool | None = None,
 ) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
     (default: on unless ``QCONVERT_DIRECT_RELOAD=0`` in the server's environment) allows the direct
-    in-place load where it is exact (qconvert/engine/vllm_direct.py)."""
+    in-place load where it is exact (qconvert/engine/vllm_direct.py); ``device_chunks``: see
+    :func:`load_staged`."""
     from qconvert.engine import vllm_direct
 
     runner = worker.model_runner
@@ -530,4 +542,5 @@ def load_staged_into_worker(
         verify=verify,
         profile=profile,
         direct_load=direct_load if direct and not lora else None,
+        device_chunks=device_chunks,
     )

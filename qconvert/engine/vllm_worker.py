@@ -85,15 +85,23 @@ class WorkerExtension:
         return load_into_worker(self, path)
 
     def qconvert_load_staged(
-        self, area: str, verify: bool = False, profile: int = 0, direct: bool | None = None
+        self,
+        area: str,
+        verify: bool = False,
+        profile: int = 0,
+        direct: bool | None = None,
+        device_chunks: bool | None = None,
     ) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
-        forces vLLM's layerwise reload). Returns load statistics (files, bytes, seconds, ``path``;
-        with ``profile`` > 0 the most expensive functions of the load)."""
+        forces vLLM's layerwise reload; ``device_chunks=False`` hands a GPU server host views).
+        Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
+        expensive functions of the load)."""
         from qconvert.engine.vllm_staged import load_staged_into_worker
 
-        return load_staged_into_worker(self, area, verify=verify, profile=profile, direct=direct)
+        return load_staged_into_worker(
+            self, area, verify=verify, profile=profile, direct=direct, device_chunks=device_chunks
+        )
 
     def qconvert_copy_floor(self, area: str, repeat: int = 3) -> dict:
         """Benchmark floor (scripts/bench_reload.py): a plain copy of the bytes this rank would load
