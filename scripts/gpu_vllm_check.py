@@ -502,21 +502,31 @@ def st_online(rec, root: Path):
         srv.stop()
 
 
-@stage("synthetic")
-def st_synthetic(rec, root: Path, layers: int):
+def synthetic_checkpoints(rec, root: Path, layers: int) -> tuple[Path, Path, Path]:
+    """The two BF16 sources (seeds 0 and 1) and their MXFP8-last1 conversions (on the GPU), made
+    once: a call that is stopped midway leaves no directory that looks finished."""
     a_src = root / "synth-s0-bf16"
     b_src = root / "synth-s1-bf16"
     for d, seed in ((a_src, 0), (b_src, 1)):
         if not d.exists():
+            tmp = d.with_name(d.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
             subprocess.run(
-                [sys.executable, "scripts/make_synthetic.py", str(d), "--layers", str(layers), "--seed", str(seed)],
+                [sys.executable, "scripts/make_synthetic.py", str(tmp), "--layers", str(layers), "--seed", str(seed)],
                 check=True,
             )
+            tmp.rename(d)
     t0 = time.perf_counter()
     a = convert(a_src, root / "synth-s0-mxfp8", "mxfp8-last1", device="cuda")
     rec["convert_a_cuda_s"] = round(time.perf_counter() - t0, 2)
-    b = convert(b_src, root / "synth-s1-mxfp8", "mxfp8-last1", device="cuda")
+    convert(b_src, root / "synth-s1-mxfp8", "mxfp8-last1", device="cuda")
     rec["checkpoint_gb"] = round(sum(f.stat().st_size for f in a.glob("*.safetensors")) / 1e9, 3)
+    return b_src, a, root / "synth-s1-mxfp8"
+
+
+@stage("synthetic")
+def st_synthetic(rec, root: Path, layers: int):
+    b_src, a, b = synthetic_checkpoints(rec, root, layers)
     os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
     srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"])
     try:
@@ -587,6 +597,10 @@ def main():
     install_client_shims()
     stages = args.stages.split(",")
     RESULT["args"] = vars(args)
+    if args.prepare and "synthetic" in stages:  # the synthetic checkpoints, made ahead (GPU conversions)
+        synthetic_checkpoints(RESULT.setdefault("prepared", {}), root, args.synthetic_layers)
+        save()
+        return
     if args.prepare:  # the checkpoints the other stages read, made ahead (CPU)
         for arch in args.archs.split(","):
             for seed in (0, 1):
