@@ -54,6 +54,7 @@ RESULT: dict = {"stages": {}}
 #: the bundle carries no FlashInfer; vLLM 0.26.0's sampler imports it unless told not to (seen on the H100)
 NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 PROFILE = 0  # --profile N: the synthetic stage also profiles one load (top N functions)
+REFIT_ONLY = False  # --refit-only: the synthetic stage times only the refits, the floor and the A/B
 OUT: Path = Path(".")
 
 
@@ -531,9 +532,10 @@ def st_synthetic(rec, root: Path, layers: int):
     srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"])
     try:
         rec["server_start_s"] = round(srv.start_s, 1)
-        rec["reload_b_shm"] = [timed_reload([srv.url], b, via="shm", weight_version=f"B{i}") for i in range(2)]
-        rec["reload_a_disk"] = [timed_reload([srv.url], a, weight_version=f"A{i}") for i in range(2)]
-        save()
+        if not REFIT_ONLY:  # the publisher's paths: `qconvert stage` + reload, and reload from disk
+            rec["reload_b_shm"] = [timed_reload([srv.url], b, via="shm", weight_version=f"B{i}") for i in range(2)]
+            rec["reload_a_disk"] = [timed_reload([srv.url], a, weight_version=f"A{i}") for i in range(2)]
+            save()
         refit_synthetic(rec.setdefault("refit", {}), srv, b_src)
     finally:
         srv.stop()
@@ -587,9 +589,11 @@ def main():
     ap.add_argument("--prepare", action="store_true", help="only build and convert the checkpoints (no GPU)")
     ap.add_argument("--synthetic-layers", type=int, default=4)
     ap.add_argument("--profile", type=int, default=0, help="synthetic: profile one server load (top N functions)")
+    ap.add_argument("--refit-only", action="store_true", help="synthetic: skip the stage-and-reload and disk reloads")
     args = ap.parse_args()
-    global PROFILE
+    global PROFILE, REFIT_ONLY
     PROFILE = args.profile
+    REFIT_ONLY = args.refit_only
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(args.work)
