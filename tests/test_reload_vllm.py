@@ -217,6 +217,73 @@ def test_concurrent_requests_during_wait_reload(served):
     reload_vllm([srv.url], served["a"], weight_version="A2")
 
 
+def _generated(r: dict) -> tuple[list[int], list[dict]]:
+    assert r["status"] == 200, r
+    c = r["body"]["choices"][0]
+    return c["token_ids"], c["weight_versions"]
+
+
+@on_kinds("qwen3:bf16")
+def test_keep_reload_continues_requests_on_the_new_weights(served):
+    """``--pause keep`` on vLLM 0.32: requests in flight are neither aborted nor drained; vLLM
+    preempts them at the pause and clears the prefix cache, so after the reload each one goes on
+    from its tokens so far with KV recomputed under the new weights: the rest of its tokens are
+    exactly B's greedy continuation of (prompt + the tokens A generated). A prefix cached under A
+    is not reused after the reload either (a prompt of two KV blocks on the CPU backend)."""
+    srv = served["srv"]
+    long_prompt = [100 + (i * 7) % 300 for i in range(140)]  # > 128 tokens: one full CPU KV block
+    reload_vllm([srv.url], served["b"], weight_version="B-ref")
+    want_long, _ = _generated(_generate(srv.url, long_prompt))
+    reload_vllm([srv.url], served["a"], weight_version="K-old")
+    _generate(srv.url, long_prompt)  # A's blocks for this prefix now in the prefix cache
+    n = 200
+    prompts = [[3 + k, 17, 42, 99] for k in range(8)]
+
+    def one_round(i: int) -> list[tuple[int, list[int], list[dict]]]:
+        """8 requests of ``n`` tokens from A, and a keep reload to B while they run."""
+        if i:
+            reload_vllm([srv.url], served["a"], weight_version="K-old")
+        results: dict[int, dict] = {}
+
+        def client(k: int) -> None:
+            r = requests.post(
+                srv.url + "/inference/v1/generate",
+                json={
+                    "token_ids": prompts[k],
+                    "sampling_params": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True},
+                },
+                timeout=300,
+            )
+            results[k] = {"status": r.status_code, "body": r.json()}
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        res = reload_vllm([srv.url], served["b"], pause="keep", weight_version="K-new")
+        for t in threads:
+            t.join(300)
+        assert [r.ok for r in res] == [True]
+        return [(k, *_generated(r)) for k, r in sorted(results.items())]
+
+    switched = 0
+    for i in range(5):  # a round where every request ended before the pause (or began after it) tests nothing
+        for k, tokens, spans in one_round(i):
+            assert len(tokens) == n
+            assert [s["version"] for s in spans] in (["K-old"], ["K-new"], ["K-old", "K-new"]), spans
+            if len(spans) == 2:
+                switched += 1
+                cut = spans[0]["end"]
+                cont, _ = _generated(_generate(srv.url, prompts[k] + tokens[:cut]))
+                assert cont == tokens[cut : cut + len(cont)], f"request {k}: not B's continuation after token {cut}"
+        if switched:
+            break
+    assert switched, "in 5 rounds no request was in flight during the reload; nothing was tested"
+    got_long, _ = _generated(_generate(srv.url, long_prompt))
+    assert got_long == want_long, "a prefix cached under the old weights was reused after the reload"
+    reload_vllm([srv.url], served["a"], weight_version="A-after-keep")
+
+
 @on_kinds("qwen3:bf16", "qwen3-moe:mxfp8")  # one dense and one quantized MoE kind
 def test_truncated_shard_fails_with_server_message_and_rolls_back(served):
     srv, b = served["srv"], served["b"]

@@ -207,6 +207,7 @@ def test_sequence_fields_and_api_key(ckpt, mode, flush):
         upd = state["updates"][0]
         assert upd["model_path"] == str(ckpt.resolve()) and upd["weight_version"] == "step-3"
         assert upd["flush_cache"] is flush and upd["abort_all_requests"] is False
+        assert res[0].cache_flushed is flush  # the CLI prints a note when it is False
         assert all(h.get("Authorization") == "Bearer admin-k" for *_, h in srv.calls)
     finally:
         srv.close()
@@ -277,3 +278,23 @@ def test_preshuffled_refused(ckpt):
 def test_invalid_pause_mode(ckpt):
     with pytest.raises(QConvertError, match="abort, retract, in_place"):
         reload_sglang(["http://127.0.0.1:9"], ckpt, pause="wait")
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_cli_says_when_the_prefix_cache_was_kept(ckpt, mode):
+    """``--pause in_place`` updates without flushing SGLang's radix cache (it refuses to flush with
+    requests running): the command says so, naming the server and the mode that flushes it."""
+    from click.testing import CliRunner
+
+    from qconvert.cli import main
+
+    state: dict = {}
+    srv = FakeServer(sglang_routes(state))
+    try:
+        r = CliRunner().invoke(main, ["reload", "sglang", srv.url, str(ckpt), "--pause", mode])
+        assert r.exit_code == 0, r.output
+        note = f"note: {srv.url}: its prefix cache was kept (--pause in_place)"
+        assert (note in r.output) is (mode == "in_place"), r.output
+        assert state["updates"][0]["flush_cache"] is (mode != "in_place")
+    finally:
+        srv.close()

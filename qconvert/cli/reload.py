@@ -48,6 +48,12 @@ def _report(results, engine: str) -> None:
         if r.verify:
             line += f"; verified ({r.verify.get('norms_checked', 'checksums')} checks)"
         click.echo(line)
+        if not r.cache_flushed:
+            click.echo(
+                f"note: {r.url}: its prefix cache was kept (--pause in_place): requests that share a prefix with "
+                "earlier ones may reuse KV computed with the previous weights; --pause retract flushes it",
+                err=True,
+            )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

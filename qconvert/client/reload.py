@@ -39,6 +39,10 @@ class ReloadResult:
     #: per server worker, what it loaded from a staging area through qconvert's worker extension
     #: (files, bytes, tensors, seconds, tp_rank, ep_rank; see qconvert.engine.vllm_staged); empty otherwise
     load: list = field(default_factory=list)
+    #: False where the server kept its prefix (radix) cache across the reload, so later requests
+    #: sharing a prefix with earlier ones may reuse KV computed with the previous weights (SGLang
+    #: ``--pause in_place``: docs/reload.md#sglang-endpoints); True where it was flushed
+    cache_flushed: bool = True
 
 
 def resume_after(client, failure: BaseException | None) -> None:

@@ -247,6 +247,8 @@ def reload_sglang(
         results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
         if errors:
             raise ReloadError("; ".join(errors))
+        for r in results:
+            r.cache_flushed = flush
         if verify:
             sums, texts = {}, {}
             for c in clients:
