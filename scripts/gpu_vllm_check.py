@@ -555,24 +555,25 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         # the GPU load with the device chunks (the default) against host views, alternating in
         # this one server: pause, load the same committed area, resume
         c = VllmClient(srv.url)
+
+        def paused_load(**kw) -> dict:
+            """One load of the committed area in the paused server (the worker's statistics)."""
+            c.pause("wait")
+            try:
+                (st,) = c.collective_rpc("qconvert_load_staged", area=str(r.area), **kw)
+            finally:
+                c.resume()
+            return st
+
         ab = rec.setdefault("device_chunks_ab", [])
         for _ in range(3):
             for chunks in (True, False):
-                c.pause("wait")
-                try:
-                    (st,) = c.collective_rpc("qconvert_load_staged", area=str(r.area), device_chunks=chunks)
-                finally:
-                    c.resume()
+                st = paused_load(device_chunks=chunks)
                 ab.append({k: st.get(k) for k in ("device_chunks", "load_seconds", "seconds", "bytes", "path", "why")})
                 log("device chunks A/B", ab[-1])
         save()
         if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
-            c = VllmClient(srv.url)
-            c.pause("wait")
-            try:
-                (rec["profiled_load"],) = c.collective_rpc("qconvert_load_staged", area=str(r.area), profile=PROFILE)
-            finally:
-                c.resume()
+            rec["profiled_load"] = paused_load(profile=PROFILE)
             save()
 
 

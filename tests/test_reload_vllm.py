@@ -168,10 +168,13 @@ def test_reload_b_equals_fresh_server_on_b(served):
         fresh.stop()
 
 
-def _generate(url: str, token_ids: list[int]) -> dict:
+def _generate(url: str, token_ids: list[int], max_tokens: int = 24) -> dict:
     r = requests.post(
         url + "/inference/v1/generate",
-        json={"token_ids": token_ids, "sampling_params": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}},
+        json={
+            "token_ids": token_ids,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        },
         timeout=300,
     )
     return {
@@ -229,7 +232,7 @@ def test_keep_reload_continues_requests_on_the_new_weights(served):
     preempts them at the pause and clears the prefix cache, so after the reload each one goes on
     from its tokens so far with KV recomputed under the new weights: the rest of its tokens are
     exactly B's greedy continuation of (prompt + the tokens A generated). A prefix cached under A
-    is not reused after the reload either (a prompt of two KV blocks on the CPU backend)."""
+    is not reused after the reload either (a prompt longer than one KV block on the CPU backend)."""
     srv = served["srv"]
     long_prompt = [100 + (i * 7) % 300 for i in range(140)]  # > 128 tokens: one full CPU KV block
     reload_vllm([srv.url], served["b"], weight_version="B-ref")
@@ -246,15 +249,7 @@ def test_keep_reload_continues_requests_on_the_new_weights(served):
         results: dict[int, dict] = {}
 
         def client(k: int) -> None:
-            r = requests.post(
-                srv.url + "/inference/v1/generate",
-                json={
-                    "token_ids": prompts[k],
-                    "sampling_params": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True},
-                },
-                timeout=300,
-            )
-            results[k] = {"status": r.status_code, "body": r.json()}
+            results[k] = _generate(srv.url, prompts[k], max_tokens=n)
 
         threads = [threading.Thread(target=client, args=(k,)) for k in range(len(prompts))]
         for t in threads:
