@@ -47,6 +47,8 @@ from pathlib import Path
 import requests
 from vllm_server import VllmServer  # scripts/ is on sys.path when run as a script
 
+from qconvert.engine.vllm_direct import GPU_REPLAY_ENV  # the loader replay on a GPU server
+
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12
 FORMATS = ["mxfp8", "mxfp8-last1", "mxfp8-modelopt", "nvfp4"]
@@ -127,7 +129,9 @@ def demo(root: Path, arch: str, seed: int) -> Path:
 class Server(VllmServer):
     """A GPU server small enough to share the card with the trainer-side refit in the same process tree."""
 
-    def __init__(self, model: Path, logf: Path, extra: list[str] | None = None, timeout: float = 400):
+    def __init__(
+        self, model: Path, logf: Path, extra: list[str] | None = None, timeout: float = 400, env: dict | None = None
+    ):
         from qconvert.client.vllm_client import EXTENSION_FLAG
 
         flags = [
@@ -148,7 +152,12 @@ class Server(VllmServer):
             *(extra or []),
         ]
         super().__init__(
-            model, logf, flags, env={"VLLM_SERVER_DEV_MODE": "1", **NO_FLASHINFER}, timeout=timeout, poll_s=0.5
+            model,
+            logf,
+            flags,
+            env={"VLLM_SERVER_DEV_MODE": "1", **NO_FLASHINFER, **(env or {})},
+            timeout=timeout,
+            poll_s=0.5,
         )
 
     def model(self) -> str:
@@ -529,7 +538,8 @@ def synthetic_checkpoints(rec, root: Path, layers: int) -> tuple[Path, Path, Pat
 def st_synthetic(rec, root: Path, layers: int):
     b_src, a, b = synthetic_checkpoints(rec, root, layers)
     os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
-    srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"])
+    # the loader replay on (docs/reload.md#loader-replay): refits after the first replay vLLM's loader calls
+    srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"], env={GPU_REPLAY_ENV: "1"})
     try:
         rec["server_start_s"] = round(srv.start_s, 1)
         if not REFIT_ONLY:  # the publisher's paths: `qconvert stage` + reload, and reload from disk
@@ -565,12 +575,22 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
                 c.resume()
             return st
 
-        ab = rec.setdefault("device_chunks_ab", [])
-        for _ in range(3):
-            for chunks in (True, False):
-                st = paused_load(device_chunks=chunks)
-                ab.append({k: st.get(k) for k in ("device_chunks", "load_seconds", "seconds", "bytes", "path", "why")})
-                log("device chunks A/B", ab[-1])
+        # the loader replay against vLLM's own layerwise reload (direct=False), alternating, both
+        # with the device chunks; the first pair also compares every served tensor's digest
+        keys = ("device_chunks", "load_seconds", "seconds", "bytes", "path", "why", "plan", "replay", "modules")
+        ab = rec.setdefault("replay_ab", [])
+        for i in range(3):
+            for direct in (False, True):
+                st = paused_load(direct=direct)
+                ab.append({"direct": direct, **{k: st.get(k) for k in keys}})
+                if i == 0:
+                    (digest,) = c.collective_rpc("qconvert_weights_digest")
+                    rec.setdefault("digests", {})[str(direct)] = digest
+                log("replay A/B", ab[-1])
+        d = rec.pop("digests")
+        rec["replay_equals_layerwise"] = d["True"] == d["False"]
+        rec["tensors_compared"] = len(d["True"])
+        log("replay leaves the served tensors of vLLM's layerwise reload:", rec["replay_equals_layerwise"])
         save()
         if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
             rec["profiled_load"] = paused_load(profile=PROFILE)

@@ -88,7 +88,9 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch, fmt):
         res = reload_vllm([srv.url], f"shm:{name}", weight_version=name)
         (stats,) = res[0].load
         assert stats["path"] == "direct", stats
-        plans.append((stats["plan"], stats["modules"]["planned-tensors"]))
+        plans.append(
+            (stats["plan"], stats["modules"]["planned-tensors"], stats["replay"], stats["modules"]["replayed-modules"])
+        )
         # every direct form ran, the dense MXFP8 layers each in theirs; the BF16 linear layers,
         # router, embeddings and attention went through vLLM's layerwise reload
         assert stats["modules"].get("cpu-moe", 0) == 1 and stats["modules"].get("cpu-mxfp8-moe", 0) >= 1, stats
@@ -107,13 +109,24 @@ def test_direct_reload_equals_fresh_server(tmp_path, monkeypatch, fmt):
         c.collective_rpc("qconvert_repack_cpu_moe")
         assert st["path"] == "layerwise" and st["why"] == "direct-disabled"
         assert _greedy_logprobs(srv.url) == direct_a  # tokens and logprobs, exactly
+        # every served tensor after vLLM's layerwise reload of A: vLLM's own checksums (its
+        # /weight_checker, parameters) and the worker extension's digests (parameters and buffers)
+        layerwise_a = (c.checksums(), c.collective_rpc("qconvert_weights_digest"))
+        assert len(layerwise_a[0]) > 10 and len(layerwise_a[1][0]) >= len(layerwise_a[0])
         assert direct("b") == fresh_b  # from A's served tensors (rebuilt by vLLM)
         assert direct("a") == direct_a
+        # the replayed load (copy plan and loader calls) leaves every served tensor as vLLM's
+        # layerwise reload of the same area leaves it, byte for byte
+        assert plans[-1][2] == "replayed"
+        assert (c.checksums(), c.collective_rpc("qconvert_weights_digest")) == layerwise_a
         assert direct("b") == fresh_b
         # the first direct load recorded the copy plan; the last ones replayed it (the staged tensors
         # of the direct modules copied to their recorded places, not through load_weights)
-        assert plans[0] == ("recorded", 0), plans
+        # and vLLM's layerwise modules' loader calls were recorded, then replayed (vllm_replay):
+        # every module vLLM processed, none through load_weights
+        assert plans[0] == ("recorded", 0, "recorded", 0), plans
         assert plans[-1][0] == plans[-2][0] == "replayed" and plans[-1][1] > 0, plans
+        assert plans[-1][2] == plans[-2][2] == "replayed" and plans[-1][3] > 0, plans
     finally:
         srv.stop()
         for n in ("a", "b"):

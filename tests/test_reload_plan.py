@@ -110,3 +110,17 @@ def test_direct_load_is_cpu_only():
     on_meta = torch.nn.Linear(4, 4, device="meta")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
     assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
+
+
+def test_gpu_server_replays_the_loader_calls_only_when_turned_on(monkeypatch):
+    """With QCONVERT_GPU_LOADER_REPLAY=1 a GPU server's load takes the direct load for the loader
+    replay alone: every module layerwise (docs/reload.md#loader-replay)."""
+    from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Form, Why, choose
+
+    on_meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.ReLU())
+    monkeypatch.setenv(GPU_REPLAY_ENV, "1")
+    forms, why = choose(on_meta, enabled=True, layout=None)
+    assert why is None and forms == {on_meta[0]: (Form.LAYERWISE, Why.NOT_CPU)}
+    assert choose(on_meta, enabled=True, layout={"x": 1}) == (None, Why.PRESHUFFLED)
+    monkeypatch.setenv(GPU_REPLAY_ENV, "0")
+    assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)

@@ -56,7 +56,7 @@ import enum
 import inspect
 import weakref
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -106,7 +106,6 @@ class Why(enum.Enum):
     # whole-load reasons
     DISABLED = "direct-disabled"  # QCONVERT_DIRECT_RELOAD=0, direct=False, or a LoRA server
     PRESHUFFLED = "preshuffled-area"
-    NO_DIRECT_MODULE = "no-direct-module"
     NOT_CPU = "not-cpu"  # the forms above are established for vLLM's CPU backend only
 
 
@@ -213,9 +212,14 @@ def _moe_form(module, qm) -> Form | Why:
     return Why.QUANT_METHOD
 
 
+def _owners(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that own parameters."""
+    return [m for m in model.modules() if any(p is not None for p in m._parameters.values())]
+
+
 def plan(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[Form, Why | None]]:
     """:func:`module_form` of every module that owns parameters."""
-    return {m: module_form(m) for m in model.modules() if any(p is not None for p in m._parameters.values())}
+    return {m: module_form(m) for m in _owners(model)}
 
 
 def summary(forms: dict) -> dict[str, int]:
@@ -458,37 +462,48 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     storage (:func:`_targets`), the rest through vLLM's layerwise reload; then each direct form's
     own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place;
     :data:`Form.CPU_MXFP8_LINEAR`: :func:`refresh_mxfp8_linear`). A ``staged`` with a ``layout``
-    gets the :class:`CopyPlan`: recorded by the first load of a layout, replayed by the next.
-    Returns the module counts (:func:`summary`), the tensors the plan copied and ``plan`` (what
-    happened to it)."""
+    gets the :class:`CopyPlan` and the layerwise modules' loader plan (vllm_replay): recorded by
+    the first load of a layout, replayed by the next. Returns the module counts (:func:`summary`),
+    the tensors the copy plan copied, the modules whose loader calls were replayed, ``plan`` and
+    ``replay`` (what happened to each plan)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
         initialize_layerwise_reload,
     )
 
-    from qconvert.engine import vllm_cpu_plugin
+    from qconvert.engine import vllm_cpu_plugin, vllm_replay
 
     direct = [m for m, (f, _) in forms.items() if f is not Form.LAYERWISE]
     layout = getattr(staged, "layout", None)
     key = _plan_key(layout, direct, forms) if layout is not None else None
     known = _PLANS.get(model)
-    outcome, planned = "off", 0
-    with torch.no_grad():
+    outcome, replay, planned, replayed = "off", "off", 0, 0
+    with torch.no_grad(), ExitStack() as stack:
         with _direct_modules(forms, direct):
             initialize_layerwise_reload(model)
             if key is not None and known is not None and known.key == key:
                 # the planned tensors' destinations are written by nothing else (CopyPlan), so
-                # they go first, then load_weights over the others
+                # they go first, then the recorded loader calls, then load_weights over the others
                 planned = known.replay(staged)
-                model.load_weights(staged.others(known.copies))
+                rest = staged.others(known.copies)
+                loaders = vllm_replay.known(model, key)
+                if loaders is not None:
+                    rest, replayed = loaders.replay(rest)
+                    replay = vllm_replay.REPLAY_REPLAYED
+                model.load_weights(rest)
                 outcome = PLAN_REPLAYED
             elif key is not None:
                 _PLANS.pop(model, None)
-                got, refused = record_plan(_served(forms, direct), staged, model.load_weights, key)
+                vllm_replay.keep(model, None)
+                lrec = stack.enter_context(vllm_replay.recording(model))
+                got, refused = record_plan(
+                    _served(forms, direct), staged, lambda w: model.load_weights(lrec.watch(w)), key
+                )
                 if got is not None:
                     _PLANS[model] = got
                 outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"
+                pending = lrec.pending(model)
             else:
                 model.load_weights(iter(staged))
             # a direct module whose loads went through vLLM's deferring wrapper would show buffered
@@ -497,24 +512,48 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 1 for m in direct if get_layerwise_info(m).load_numel_total != 0 or get_layerwise_info(m).loaded_weights
             )
         finalize_layerwise_reload(model, model_config)
+        if outcome == PLAN_RECORDED:
+            loaders, refused = lrec.plan(key, pending, set(_PLANS[model].copies))
+            vllm_replay.keep(model, loaders)
+            replay = vllm_replay.REPLAY_RECORDED if loaders is not None else f"refused:{refused}"
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
             elif forms[m][0] is Form.CPU_MXFP8_LINEAR:
                 refresh_mxfp8_linear(m)
-    return {**summary(forms), DEFERRED_KEY: deferred, PLANNED_KEY: planned, "plan": outcome}
+    return {
+        **summary(forms),
+        DEFERRED_KEY: deferred,
+        PLANNED_KEY: planned,
+        vllm_replay.REPLAYED_KEY: replayed,
+        "plan": outcome,
+        "replay": replay,
+    }
 
 
 def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tuple[dict | None, Why | None]:
     """The forms for a direct load of ``model``, or (None, why) when the whole load goes through
-    vLLM's layerwise reload (``enabled`` False: turned off, or a LoRA server)."""
+    vLLM's layerwise reload (``enabled`` False: turned off, or a LoRA server). A model without a
+    direct module still takes the direct load for its loader plan (vllm_replay). On a GPU server
+    every module is layerwise (:data:`Why.NOT_CPU`: the direct forms were established on vLLM's CPU
+    backend), and the load is the loader plan's only where :func:`gpu_replay_enabled`."""
     if not enabled:
         return None, Why.DISABLED
     if layout is not None:
         return None, Why.PRESHUFFLED
     if any(p.device.type != "cpu" for p in model.parameters()):
-        return None, Why.NOT_CPU  # docs/reload.md#vllm-direct-load: GPU servers reload layerwise
-    forms = plan(model)
-    if not any(f is not Form.LAYERWISE for f, _ in forms.values()):
-        return None, Why.NO_DIRECT_MODULE
-    return forms, None
+        if not gpu_replay_enabled():
+            return None, Why.NOT_CPU  # docs/reload.md#vllm-direct-load: GPU servers reload layerwise
+        return {m: (Form.LAYERWISE, Why.NOT_CPU) for m in _owners(model)}, None
+    return plan(model), None
+
+
+#: Server environment variable: ``1`` replays the recorded loader calls on a GPU server too
+#: (docs/reload.md#loader-replay; the default there until it has been held to vLLM on a GPU)
+GPU_REPLAY_ENV = "QCONVERT_GPU_LOADER_REPLAY"
+
+
+def gpu_replay_enabled() -> bool:
+    import os
+
+    return os.environ.get(GPU_REPLAY_ENV, "0") == "1"

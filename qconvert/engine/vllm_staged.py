@@ -220,8 +220,9 @@ class StagedTensors:
     sends, less the bytes (file names and sizes, every tensor's name, dtype, shape and offset: the
     plan's key); :meth:`file_of` the file a tensor is in."""
 
-    def __init__(self, maps: list[MappedFile]):
+    def __init__(self, maps: list[MappedFile], device: torch.device | None = None):
         self.maps = {m.name: m for m in maps}
+        self.device = device  # a CUDA device: iterating gives views of device chunks
         self.order = [(m, m.names()) for m in maps]
         self._file = {n: m.name for m, names in self.order for n in names}
         self.layout = tuple(
@@ -237,6 +238,16 @@ class StagedTensors:
         return self.others(())
 
     def others(self, skip) -> Iterator[tuple[str, torch.Tensor]]:
+        """Close the iterator before the files are unmapped (device chunks: the copies in flight)."""
+        if self.device is not None:
+            it = iter_tensors_to_device([m for m, _ in self.order], self.device)
+            try:
+                for n, t in it:
+                    if n not in skip:
+                        yield n, t
+            finally:
+                it.close()
+            return
         for m, names in self.order:
             for n in names:
                 if n not in skip:
@@ -418,7 +429,9 @@ def load_staged(
             def run() -> None:
                 with torch.no_grad():
                     if forms is not None:
-                        extra["modules"] = direct_load(StagedTensors(maps), forms)
+                        staged = StagedTensors(maps, device if chunked else None)
+                        extra["modules"] = direct_load(staged, forms)
+                        extra["replay"] = extra["modules"].pop("replay", None)
                         extra["plan"] = extra["modules"].pop("plan", None)
                     elif chunked:
                         it = iter_tensors_to_device(maps, device)

@@ -49,6 +49,26 @@ def prepack_experts_in_place(w, isa: str) -> None:
         w[e : e + 1].copy_(scratch)
 
 
+def weights_digest(model) -> dict[str, str]:
+    """xxh3_128 of the bytes of every parameter and buffer the model serves, by name: two loads
+    that leave equal digests left the served tensors equal (replicas, or a load path against
+    vLLM's own reload of the same area)."""
+    import itertools
+
+    import torch
+
+    from qconvert.convert.safetensors_io import xxh3_128_hex
+
+    out = {}
+    with torch.no_grad():
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if t.is_meta:
+                continue
+            host = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            out[name] = f"{t.dtype}:{tuple(t.shape)}:{xxh3_128_hex(host.numpy())}"
+    return out
+
+
 class WorkerExtension:
     """vLLM worker extension (``--worker-extension-cls``); method names are prefixed ``qconvert_``
     because vLLM refuses extension attributes that already exist on the worker."""
@@ -102,6 +122,10 @@ class WorkerExtension:
         return load_staged_into_worker(
             self, area, verify=verify, profile=profile, direct=direct, device_chunks=device_chunks
         )
+
+    def qconvert_weights_digest(self) -> dict[str, str]:
+        """Digest of every served tensor (:func:`weights_digest`)."""
+        return weights_digest(self.model_runner.get_model())
 
     def qconvert_copy_floor(self, area: str, repeat: int = 3) -> dict:
         """Benchmark floor (scripts/bench_reload.py): a plain copy of the bytes this rank would load

@@ -1,0 +1,198 @@
+"""The loader replay (qconvert/engine/vllm_replay.py, docs/reload.md#loader-replay) on a toy model
+driven by vLLM's own layerwise reload machinery, without a server: a replayed load leaves the
+served tensors exactly as vLLM's layerwise reload of the same bytes leaves them, and each recording
+a plan must not be kept from is refused with its reason. Against a real vLLM server (every served
+tensor's digest equal to vLLM's layerwise reload of the same area): tests/test_reload_direct.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from qconvert.engine import vllm_replay  # noqa: E402
+
+SHAPES = {"l0.q": (2, 8), "l0.k": (8, 2), "l1.w": (4, 8), "l1.s": (4,)}
+
+
+class Staged:
+    """One 'file' of BF16 tensors back to back; (name, view) in file order."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.offsets, at = {}, 0
+        for name, shape in SHAPES.items():
+            self.offsets[name] = at
+            at += 2 * int(torch.tensor(shape).prod())
+        self.base = (torch.randn(at // 2, generator=g) * 10).to(torch.bfloat16).view(torch.uint8)
+
+    def __iter__(self):
+        for name, shape in SHAPES.items():
+            o = self.offsets[name]
+            yield name, self.base[o : o + 2 * int(torch.tensor(shape).prod())].view(torch.bfloat16).reshape(shape)
+
+
+class Scaled(torch.nn.Module):
+    """A module whose quant method transforms what is loaded (what makes vLLM rebuild it)."""
+
+    def __init__(self, fused: bool):
+        super().__init__()
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        class Double(QuantizeMethodBase):  # the served weight is twice the loaded one
+            def create_weights(self, *a, **k):
+                pass
+
+            def apply(self, *a, **k):
+                pass
+
+            def process_weights_after_loading(self, layer):
+                layer.weight.data.mul_(2)
+
+        self.quant_method = Double()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)
+        if fused:  # q rows 0:2 as they are, k transposed into rows 2:4: a loader with a shard id
+            self.weight.weight_loader = self._fused_loader
+        else:
+            self.scale = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+
+    @staticmethod
+    def _fused_loader(param, loaded_weight, shard_id):
+        shard_id = getattr(shard_id, "value", shard_id)
+        rows = {"q": (0, 2), "k": (2, 4)}[shard_id]
+        src = loaded_weight if shard_id == "q" else loaded_weight.t()
+        param.data[rows[0] : rows[1]].copy_(src)
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, mangle=None, shard=str):
+        super().__init__()
+        from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+        self.l0, self.l1 = Scaled(fused=True), Scaled(fused=False)
+        self.mangle, self.shard = mangle, shard
+        record_metadata_for_reloading(self)  # as vLLM does once the model is built
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if self.mangle is not None:
+                t = self.mangle(name, t)
+            if name.startswith("l0."):
+                p = self.l0.weight
+                p.weight_loader(p, t, self.shard(name[-1]))
+            else:
+                p = self.l1.weight if name == "l1.w" else self.l1.scale
+                p.weight_loader(p, t)
+
+
+def _layerwise(model, weights) -> None:
+    """vLLM's layerwise reload (what ``reload_weights`` runs), the oracle."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights)
+    finalize_layerwise_reload(model, None)
+
+
+def _record(model, staged):
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    with vllm_replay.recording(model) as rec:
+        initialize_layerwise_reload(model)
+        model.load_weights(rec.watch(iter(staged)))
+        pending = rec.pending(model)
+        finalize_layerwise_reload(model, None)
+    return rec.plan(("k",), pending, set())
+
+
+def _replay(model, plan, staged) -> int:
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    others, n = plan.replay(iter(staged))
+    model.load_weights(others)
+    finalize_layerwise_reload(model, None)
+    return n
+
+
+def _served(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def test_replay_leaves_what_the_layerwise_reload_leaves():
+    model, oracle = Toy(), Toy()
+    plan, why = _record(model, Staged(0))
+    assert why is None and [len(m.calls) for m in plan.modules] == [2, 2]
+    _layerwise(oracle, iter(Staged(0)))
+    assert _served(model).keys() == _served(oracle).keys()
+    for seed in (1, 2):  # each replay loads new bytes: equal to vLLM's own reload of them
+        assert _replay(model, plan, Staged(seed)) == 2
+        _layerwise(oracle, iter(Staged(seed)))
+        got, want = _served(model), _served(oracle)
+        assert all(torch.equal(got[k], want[k]) for k in want), seed
+    # the served tensors are the ones vLLM processed: weights twice the loaded bytes, k transposed
+    s = dict(Staged(2))
+    assert torch.equal(model.l0.weight[2:4], s["l0.k"].t() * 2) and torch.equal(model.l1.weight, s["l1.w"] * 2)
+    assert torch.equal(model.l1.scale, s["l1.s"])
+
+
+@torch.no_grad()
+class Shard:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize(
+    "mangle, shard, why",
+    [
+        (lambda n, t: t.clone() if n == "l1.w" else t, str, "loader-argument-not-a-staged-view"),
+        (lambda n, t: t * 1 if n == "l0.k" else t, str, "loader-argument-not-a-staged-view"),
+        (None, Shard, "loader-argument-not-plain"),
+    ],
+    ids=["a-copy", "computed", "an-object-argument"],
+)
+def test_recording_refused(mangle, shard, why):
+    model = Toy(mangle, shard)
+    plan, got = _record(model, Staged(0))
+    assert plan is None and got == why
+
+
+@torch.no_grad()
+def test_a_tensor_read_by_two_modules_or_elsewhere_gives_no_plan():
+    model = Toy()
+
+    def twice(weights):
+        for name, t in weights:
+            if name == "l0.q":  # the same staged tensor also gives l1's scale (its own is skipped)
+                model.l1.scale.weight_loader(model.l1.scale, t[0, :4])
+            if name != "l1.s":
+                Toy.load_weights(model, [(name, t)])
+
+    model.load_weights = twice
+    plan, why = _record(model, Staged(0))
+    assert plan is None and why == "staged-tensor-read-by-two-modules"
+    model = Toy()
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    with vllm_replay.recording(model) as rec:
+        initialize_layerwise_reload(model)
+        model.load_weights(rec.watch(iter(Staged(0))))
+        pending = rec.pending(model)
+        finalize_layerwise_reload(model, None)
+    plan, why = rec.plan(("k",), pending, {"l1.s"})  # copied into a direct module as well
+    assert plan is None and why == "staged-tensor-also-used-otherwise"
