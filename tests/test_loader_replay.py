@@ -20,18 +20,20 @@ SHAPES = {"l0.q": (2, 8), "l0.k": (8, 2), "l1.w": (4, 8), "l1.s": (4,)}
 class Staged:
     """One 'file' of BF16 tensors back to back; (name, view) in file order."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, device: str = "cpu"):
         g = torch.Generator().manual_seed(seed)
         self.offsets, at = {}, 0
         for name, shape in SHAPES.items():
             self.offsets[name] = at
-            at += 2 * int(torch.tensor(shape).prod())
-        self.base = (torch.randn(at // 2, generator=g) * 10).to(torch.bfloat16).view(torch.uint8)
+            at += 2 * int(shape[0] * (shape[1] if len(shape) > 1 else 1))
+        # on CUDA: as a GPU server's device chunks (docs/reload.md#vllm-staged-load)
+        self.base = (torch.randn(at // 2, generator=g) * 10).to(torch.bfloat16).view(torch.uint8).to(device)
 
     def __iter__(self):
         for name, shape in SHAPES.items():
             o = self.offsets[name]
-            yield name, self.base[o : o + 2 * int(torch.tensor(shape).prod())].view(torch.bfloat16).reshape(shape)
+            n = 2 * int(shape[0] * (shape[1] if len(shape) > 1 else 1))
+            yield name, self.base[o : o + n].view(torch.bfloat16).reshape(shape)
 
 
 class Scaled(torch.nn.Module):
@@ -130,20 +132,29 @@ def _served(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return request.param
+
+
 @torch.no_grad()
-def test_replay_leaves_what_the_layerwise_reload_leaves():
-    model, oracle = Toy(), Toy()
-    plan, why = _record(model, Staged(0))
+def test_replay_leaves_what_the_layerwise_reload_leaves(device):
+    with torch.device(device):  # vLLM builds (and so materializes) the model under its device
+        model, oracle = Toy(), Toy()
+    plan, why = _record(model, Staged(0, device))
     assert why is None and [len(m.calls) for m in plan.modules] == [2, 2]
-    _layerwise(oracle, iter(Staged(0)))
+    _layerwise(oracle, iter(Staged(0, device)))
     assert _served(model).keys() == _served(oracle).keys()
     for seed in (1, 2):  # each replay loads new bytes: equal to vLLM's own reload of them
-        assert _replay(model, plan, Staged(seed)) == 2
-        _layerwise(oracle, iter(Staged(seed)))
+        assert _replay(model, plan, Staged(seed, device)) == 2
+        _layerwise(oracle, iter(Staged(seed, device)))
         got, want = _served(model), _served(oracle)
         assert all(torch.equal(got[k], want[k]) for k in want), seed
+        assert model.l1.weight.device.type == device
     # the served tensors are the ones vLLM processed: weights twice the loaded bytes, k transposed
-    s = dict(Staged(2))
+    s = dict(Staged(2, device))
     assert torch.equal(model.l0.weight[2:4], s["l0.k"].t() * 2) and torch.equal(model.l1.weight, s["l1.w"] * 2)
     assert torch.equal(model.l1.scale, s["l1.s"])
 

@@ -223,6 +223,7 @@ class StagedTensors:
     def __init__(self, maps: list[MappedFile], device: torch.device | None = None):
         self.maps = {m.name: m for m in maps}
         self.device = device  # a CUDA device: iterating gives views of device chunks
+        self._open: list = []  # the iterators handed out, closed by close()
         self.order = [(m, m.names()) for m in maps]
         self._file = {n: m.name for m, names in self.order for n in names}
         self.layout = tuple(
@@ -238,7 +239,18 @@ class StagedTensors:
         return self.others(())
 
     def others(self, skip) -> Iterator[tuple[str, torch.Tensor]]:
-        """Close the iterator before the files are unmapped (device chunks: the copies in flight)."""
+        it = self._others(skip)
+        self._open.append(it)
+        return it
+
+    def close(self) -> None:
+        """Close every iterator handed out (device chunks: waits for the copies in flight); call it
+        before the files are unmapped."""
+        for it in self._open:
+            it.close()
+        self._open.clear()
+
+    def _others(self, skip) -> Iterator[tuple[str, torch.Tensor]]:
         if self.device is not None:
             it = iter_tensors_to_device([m for m, _ in self.order], self.device)
             try:
@@ -430,7 +442,10 @@ def load_staged(
                 with torch.no_grad():
                     if forms is not None:
                         staged = StagedTensors(maps, device if chunked else None)
-                        extra["modules"] = direct_load(staged, forms)
+                        try:
+                            extra["modules"] = direct_load(staged, forms)
+                        finally:
+                            staged.close()  # before the files are unmapped
                         extra["replay"] = extra["modules"].pop("replay", None)
                         extra["plan"] = extra["modules"].pop("plan", None)
                     elif chunked:
