@@ -207,3 +207,32 @@ def test_a_tensor_read_by_two_modules_or_elsewhere_gives_no_plan():
         finalize_layerwise_reload(model, None)
     plan, why = rec.plan(("k",), pending, {"l1.s"})  # copied into a direct module as well
     assert plan is None and why == "staged-tensor-also-used-otherwise"
+
+
+class StagedArea(Staged):
+    """What vllm_staged.StagedTensors gives the direct load: a layout (the plan's key) and others()."""
+
+    layout = ("toy", tuple(SHAPES.items()))
+
+    def others(self, skip):
+        return ((n, t) for n, t in self if n not in skip)
+
+
+@torch.no_grad()
+def test_direct_load_without_direct_modules_replays(device):
+    """The GPU server's form of the direct load (every module layerwise, docs/reload.md#loader-replay):
+    the first load records the loader calls without a dispatch mode, the next ones replay them and
+    leave what vLLM's layerwise reload leaves."""
+    from qconvert.engine.vllm_direct import Form, Why, load_direct
+
+    with torch.device(device):
+        model, oracle = Toy(), Toy()
+    forms = {model.l0: (Form.LAYERWISE, Why.NOT_CPU), model.l1: (Form.LAYERWISE, Why.NOT_CPU)}
+    outcomes = []
+    for seed in (0, 1, 2):
+        st = load_direct(model, None, StagedArea(seed, device), forms)
+        outcomes.append((st["plan"], st["replay"], st["replayed-modules"]))
+        _layerwise(oracle, iter(Staged(seed, device)))
+        got, want = _served(model), _served(oracle)
+        assert all(torch.equal(got[k], want[k]) for k in want), seed
+    assert outcomes == [("recorded", "recorded", 0), ("replayed", "replayed", 2), ("replayed", "replayed", 2)]

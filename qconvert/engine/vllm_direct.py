@@ -497,9 +497,13 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 _PLANS.pop(model, None)
                 vllm_replay.keep(model, None)
                 lrec = stack.enter_context(vllm_replay.recording(model))
-                got, refused = record_plan(
-                    _served(forms, direct), staged, lambda w: model.load_weights(lrec.watch(w)), key
-                )
+                if direct:
+                    got, refused = record_plan(
+                        _served(forms, direct), staged, lambda w: model.load_weights(lrec.watch(w)), key
+                    )
+                else:  # nothing to copy directly (a GPU server): no dispatch mode over the load
+                    model.load_weights(lrec.watch(iter(staged)))
+                    got, refused = CopyPlan(key, {}), None
                 if got is not None:
                     _PLANS[model] = got
                 outcome = PLAN_RECORDED if got is not None else f"refused:{refused}"
