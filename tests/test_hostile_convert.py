@@ -531,12 +531,28 @@ def test_ctrl_c_is_never_raised_inside_thread_bookkeeping():
     assert deferred >= 5, deferred  # signals did land inside the bookkeeping and were deferred
 
 
-def test_library_callers_get_the_same_deferral():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, whatever the process inherited (a shell's
+    background job starts with SIGINT ignored, and Python then keeps it ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_library_callers_get_the_same_deferral(python_sigint):
     """A library caller keeps Python's own handler; the public entry points that run threads
     (``interrupts.ctrl_c_safe``) swap in one that raises every Ctrl-C as Python's does, but outside
-    the thread bookkeeping, and put Python's back afterwards."""
+    the thread bookkeeping, and put Python's back afterwards. A process that ignores SIGINT keeps
+    ignoring it."""
     from qconvert import interrupts
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupts.safe_ctrl_c():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with interrupts.safe_ctrl_c():
         handler = signal.getsignal(signal.SIGINT)
@@ -556,7 +572,7 @@ def test_library_callers_get_the_same_deferral():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_public_entry_points_defer_ctrl_c(tmp_path, monkeypatch):
+def test_public_entry_points_defer_ctrl_c(tmp_path, monkeypatch, python_sigint):
     """Every public call that runs threads is wrapped, and a conversion runs its threads under the
     deferring handler."""
     from qconvert.client import sglang_client, staging, vllm_client

@@ -159,7 +159,6 @@ def test_replay_leaves_what_the_layerwise_reload_leaves(device):
     assert torch.equal(model.l1.scale, s["l1.s"])
 
 
-@torch.no_grad()
 class Shard:
     def __init__(self, value):
         self.value = value
@@ -174,6 +173,7 @@ class Shard:
     ],
     ids=["a-copy", "computed", "an-object-argument"],
 )
+@torch.no_grad()
 def test_recording_refused(mangle, shard, why):
     model = Toy(mangle, shard)
     plan, got = _record(model, Staged(0))
