@@ -187,3 +187,67 @@ def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypat
         llm = None  # the engine core process ends with the LLM
         for n in ("a", "b"):
             staging.drop_area(f"llm-{n}")
+
+
+def test_replayed_nvfp4_experts_equal_layerwise(tmp_path, monkeypatch):
+    """NVFP4 experts on the CPU build are rebuilt by vLLM's layerwise reload (their quant method
+    transforms what is loaded), as every module is on a GPU server: the loader replay
+    (docs/reload.md#loader-replay) hands vLLM's per-expert weight loaders the recorded calls, and
+    the served tensors equal vLLM's own layerwise reload of the same area, A after B and B after A."""
+    from test_reload_vllm import Server, _make_pair
+
+    from qconvert.client.vllm_client import VllmClient
+    from qconvert.engine import STAGED_RPC
+
+    monkeypatch.setenv("QCONVERT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("QCONVERT_SHM_ROOT", str(tmp_path / "shm"))
+    a, b, _ = _make_pair(tmp_path, "qwen3-moe:nvfp4")
+    areas = {n: str(staging.stage_checkpoint(c, f"nv-{n}").path) for n, c in (("a", a), ("b", b))}
+    srv = Server(b, tmp_path / "server.log")
+    c = VllmClient(srv.url)
+
+    def load(name: str, direct: bool) -> dict:
+        (st,) = c.collective_rpc(STAGED_RPC, area=areas[name], direct=direct)
+        c.collective_rpc("qconvert_repack_cpu_moe")
+        return st
+
+    def digests() -> dict:
+        (d,) = c.collective_rpc("qconvert_weights_digest")
+        return {**{f"vllm:{k}": v for k, v in c.checksums().items()}, **d}
+
+    unloaded: set = set()
+
+    def served() -> tuple:
+        d = digests()
+        return {k: v for k, v in d.items() if k not in unloaded}, _greedy_logprobs(srv.url)
+
+    try:
+        # vLLM's own reload of one area twice: the W4A16 experts' input scales, which no checkpoint
+        # tensor loads, are fresh uninitialized memory at every reload (unused by W4A16); every
+        # other served tensor is the same
+        load("a", False)
+        first = digests()
+        load("a", False)
+        unloaded = {k for k, v in digests().items() if first.get(k) != v}
+        assert unloaded and all(k.endswith(("w13_input_scale", "w2_input_scale")) for k in unloaded), unloaded
+        want = {}
+        for n in ("a", "b"):
+            st = load(n, False)
+            assert st["path"] == "layerwise", st
+            want[n] = served()
+        assert want["a"] != want["b"]
+        got = [load(n, True) for n in ("a", "b", "a")]
+        assert [(st["plan"], st["replay"]) for st in got] == [
+            ("recorded", "recorded"),
+            ("replayed", "replayed"),
+            ("replayed", "replayed"),
+        ], got
+        # the MoE layers are among the replayed modules (every layerwise module with loaded tensors)
+        assert got[-1]["modules"]["replayed-modules"] >= got[-1]["modules"]["layerwise:quant-method-transforms"] > 4
+        assert served() == want["a"]
+        load("b", True)
+        assert served() == want["b"]
+    finally:
+        srv.stop()
+        for n in ("a", "b"):
+            staging.drop_area(f"nv-{n}")
