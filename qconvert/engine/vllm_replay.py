@@ -129,7 +129,6 @@ class _Recorder:
         self.ends: dict[tuple, list[tuple[int, str]]] = {}
         self.modules: list[ModuleCalls] = []
         self.captured: set[int] = set()
-        self.otherwise: set[str] = set()
         self.refused: str | None = None
 
     def watch(self, weights):
@@ -214,15 +213,16 @@ class _Recorder:
     def plan(self, key: tuple, pending: list[tuple[int, set[str]]], elsewhere: set[str]) -> tuple:
         if self.refused is not None:
             return None, self.refused
+        otherwise: set[str] = set()
         for mid, names in pending:
             if mid not in self.captured:  # an attention layer's scales: left to load_weights
-                self.otherwise |= names
+                otherwise |= names
         seen: set[str] = set()
         for mc in self.modules:
             if mc.names & seen:
                 return None, "staged-tensor-read-by-two-modules"
             seen |= mc.names
-        if seen & (self.otherwise | elsewhere):
+        if seen & (otherwise | elsewhere):
             return None, "staged-tensor-also-used-otherwise"
         if not self.modules:
             return None, "no-layerwise-module"
