@@ -373,6 +373,73 @@ def test_cpu_plugin_mxfp8_dequant_equals_vllms(path, monkeypatch):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("path", ["avx2", "portable", "torch"])
+def test_cpu_plugin_nvfp4_dequant_equals_vllms(path, monkeypatch):
+    """The CPU plugin's NVFP4 dequantization (run at every load and reload of NVFP4 experts and
+    weight-only linear layers on CPU) equals vLLM's own ``dequantize_to_dtype`` bit for bit: every
+    pair of E2M1 codes under every E4M3 scale byte (NaN scales included), per-tensor scales 0,
+    subnormal, ordinary, huge and infinite, one per expert, a fused gate-and-up weight whose
+    halves have their own scale, a 2-D weight with one scale, and ``out`` written in place;
+    through the C kernel's AVX2 lanes, its portable loops, and the fallback to vLLM's function."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+    from qconvert.convert.numerics import cpu_kernels
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    else:
+        assert cpu_kernels.library() is not None, cpu_kernels.status()
+        if path == "portable":
+            monkeypatch.setenv("QCONVERT_NO_AVX2", "1")
+
+    from qconvert.engine.vllm_cpu_plugin import nvfp4_to_dtype
+
+    def bits(t):
+        return t.view(torch.int16)
+
+    # [E=5, N=256, K=512]: row n holds every byte (every code pair) under scale byte n
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5, 256, 1)
+    codes[1] = codes[1].flip(-1)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 256, 1).repeat(5, 1, 32)
+    per_expert = torch.tensor([1.0, 0.37, 2.0**-140, 3.0e38, float("inf")], dtype=torch.float32)
+    want = dequantize_to_dtype(codes, scales.view(torch.float8_e4m3fn), per_expert, torch.bfloat16, 16, swizzle=False)
+    rows = per_expert.view(5, 1).expand(5, 256)
+    got = nvfp4_to_dtype(codes, scales.view(torch.float8_e4m3fn), rows, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (5, 256, 512)
+    assert torch.isnan(want).any() and torch.equal(bits(got), bits(want))
+    # a fused gate-and-up weight [E, 2I, K]: each half with its own per-tensor scale, as vLLM's
+    # function gives each half separately
+    g = torch.Generator().manual_seed(5)
+    e, i, k = 3, 48, 128
+    w13 = torch.randint(0, 256, (e, 2 * i, k // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(0, 127, (e, 2 * i, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    g13 = torch.rand(e, 2, generator=g) * 1e-3
+    halves = [
+        dequantize_to_dtype(
+            w13[:, j * i : (j + 1) * i].contiguous(),
+            s13[:, j * i : (j + 1) * i].contiguous(),
+            g13[:, j].contiguous(),
+            torch.bfloat16,
+            16,
+            swizzle=False,
+        )
+        for j in range(2)
+    ]
+    out = torch.full((e, 2 * i, k), 7.0, dtype=torch.bfloat16)
+    res = nvfp4_to_dtype(w13, s13, g13.repeat_interleave(i, dim=1), torch.bfloat16, out=out)
+    assert res is out and torch.equal(bits(out), bits(torch.cat(halves, dim=1)))
+    # a 2-D linear weight with one per-tensor scale
+    w = torch.randint(0, 256, (64, 96), dtype=torch.uint8, generator=g)
+    s = torch.randint(0, 256, (64, 12), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    gs = torch.tensor([0.0123])
+    want2 = dequantize_to_dtype(w, s, gs, torch.bfloat16, 16, swizzle=False)
+    assert torch.equal(bits(nvfp4_to_dtype(w, s, gs, torch.bfloat16)), bits(want2))
+    with pytest.raises(ValueError, match="per-tensor scales"):
+        nvfp4_to_dtype(w, s, torch.ones(3), torch.bfloat16)
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_cpu_moe_prepack_per_expert_equals_vllms(isa):
     """The worker extension's CPU MoE prepack after a reload, one expert at a time into the served

@@ -245,6 +245,68 @@ def mxfp8_experts_to_bf16(w: torch.Tensor, scales: torch.Tensor, out: torch.Tens
     return out
 
 
+def nvfp4_to_dtype(
+    w: torch.Tensor, scales: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The values of NVFP4 weights ``w`` [..., R, K/2] (uint8, two E2M1 codes a byte) with E4M3 block
+    scales [..., R, K/16] and fp32 per-tensor scales ``row_scales`` (one per row, every index but the
+    last of ``w``, or one for all), in ``dtype``: bit for bit what vLLM's ``dequantize_to_dtype(...,
+    swizzle=False)`` gives with those scales (held by tests/test_reload_staged.py on every code pair
+    and scale byte). One row scale per row lets one call cover a fused gate-and-up weight whose
+    halves have their own ``weight_scale_2``. BF16 contiguous tensors go through one pass of
+    compiled C on the worker's threads where the CPU kernels build (cpu_kernels.qc_nvfp4_to_bf16),
+    else vLLM's function. Runs at every load and reload of a CPU NVFP4 layer; ``out`` (``dtype``,
+    contiguous, the result's shape) receives the values in place
+    (docs/formats.md#nvfp4-dequantization-for-cpu-layers)."""
+    shape = (*w.shape[:-1], w.shape[-1] * 2)
+    rows = w.numel() // max(1, w.shape[-1])
+    g = row_scales.to(torch.float32).reshape(-1).contiguous()
+    if g.numel() not in (1, rows):
+        raise ValueError(f"NVFP4 weight {tuple(w.shape)}: {g.numel()} per-tensor scales for {rows} rows")
+    if out is not None and (out.dtype != dtype or out.shape != shape or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {dtype} of shape {shape}")
+    from qconvert.convert.numerics import cpu_kernels
+
+    fast = (
+        dtype == torch.bfloat16
+        and w.dtype == torch.uint8
+        and w.shape[-1] % 8 == 0
+        and scales.shape == (*w.shape[:-1], w.shape[-1] // 8)
+        and scales.element_size() == 1
+        and w.is_cpu
+        and scales.is_cpu
+        and w.is_contiguous()
+        and scales.is_contiguous()
+        and cpu_kernels.library() is not None
+    )
+    if not fast:
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+        got = dequantize_to_dtype(
+            w.reshape(-1, w.shape[-1]),
+            scales.reshape(-1, scales.shape[-1]),
+            g if g.numel() == 1 else g.view(-1, 1),
+            dtype,
+            16,
+            swizzle=False,
+        ).reshape(shape)
+        return got if out is None else out.copy_(got)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    cpu_kernels.nvfp4_to_bf16_into(
+        w.view(-1, 8), scales.view(torch.uint8).view(-1), g, out.view(-1, 16), torch.get_num_threads()
+    )
+    return out
+
+
+def _kept(layer, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+    """The layer's previous derived tensor ``name`` when a reload can write into it (same shape and
+    dtype, contiguous), else None: a reload then allocates nothing."""
+    old = getattr(layer, name, None)
+    ok = isinstance(old, torch.Tensor) and old.dtype == dtype and tuple(old.shape) == tuple(shape)
+    return old if ok and old.is_contiguous() else None
+
+
 _PAIR_TABLE: torch.Tensor | None = None
 
 
@@ -385,32 +447,22 @@ def _build_classes():
             if not self.moe.is_act_and_mul:
                 raise _refuse("NVFP4 MoE without a gated (act-and-mul) activation")
             dtype = getattr(layer, "params_dtype", torch.bfloat16)
-            gs = self.quant_config.group_size
+            if self.quant_config.group_size != 16:
+                raise _refuse(f"NVFP4 MoE with {self.quant_config.group_size}-element blocks (NVFP4 blocks are 16)")
             w13 = layer.w13_weight.data
             e, two_i, _ = w13.shape
             i = two_i // 2
-            s13 = layer.w13_weight_scale.data
-            g13 = layer.w13_weight_scale_2.data.float()
-            halves = [
-                dequantize_to_dtype(
-                    w13[:, j * i : (j + 1) * i].contiguous(),
-                    s13[:, j * i : (j + 1) * i].contiguous(),
-                    g13[:, j].contiguous(),
-                    dtype,
-                    gs,
-                    swizzle=False,
-                )
-                for j in range(2)
-            ]
-            layer._qc_w13 = torch.cat(halves, dim=1)
-            layer._qc_w2 = dequantize_to_dtype(
-                layer.w2_weight.data.contiguous(),
-                layer.w2_weight_scale.data.contiguous(),
-                layer.w2_weight_scale_2.data.float().contiguous(),
-                dtype,
-                gs,
-                swizzle=False,
-            )
+            # one per-tensor scale per row: the gate rows take the gate's, the up rows the up's
+            g13 = layer.w13_weight_scale_2.data.float().reshape(e, 2).repeat_interleave(i, dim=1)
+            w2 = layer.w2_weight.data
+            g2 = layer.w2_weight_scale_2.data.float().reshape(e, 1).expand(e, w2.shape[1])
+            for name, w, s, g in (
+                ("_qc_w13", w13, layer.w13_weight_scale.data, g13),
+                ("_qc_w2", w2, layer.w2_weight_scale.data, g2),
+            ):
+                shape = (*w.shape[:-1], w.shape[-1] * 2)
+                w, s = w.contiguous(), s.contiguous()
+                setattr(layer, name, nvfp4_to_dtype(w, s, g, dtype, out=_kept(layer, name, shape, dtype)))
             if not self.use_a16:
                 a13 = layer.w13_input_scale.data.float().reshape(e, -1).amax(dim=1)
                 a2 = layer.w2_input_scale.data.float().reshape(e)
@@ -434,14 +486,13 @@ def _build_classes():
         def process_weights_after_loading(self, layer) -> None:
             super().process_weights_after_loading(layer)
             dtype = getattr(layer, "params_dtype", torch.bfloat16)
-            layer._qc_weight = dequantize_to_dtype(
-                layer.weight.data,
-                layer.weight_scale.data,
-                layer.weight_global_scale.data.float(),
-                dtype,
-                16,
-                swizzle=False,
-            )
+            w, g = layer.weight.data, layer.weight_global_scale.data
+            if g.numel() == 1:
+                shape = (*w.shape[:-1], w.shape[-1] * 2)
+                out = _kept(layer, "_qc_weight", shape, dtype)
+                layer._qc_weight = nvfp4_to_dtype(w, layer.weight_scale.data, g, dtype, out=out)
+            else:
+                layer._qc_weight = dequantize_to_dtype(w, layer.weight_scale.data, g.float(), dtype, 16, swizzle=False)
 
         def apply_weights(self, layer, x, bias=None):
             return torch.nn.functional.linear(x, layer._qc_weight.to(x.dtype), bias)

@@ -742,3 +742,69 @@ void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int6
         }
     }
 }
+
+/* NVFP4 to BF16: blocks [b0, b1) of 16 E2M1 codes (8 bytes in ``q``, the low nibble first) with one
+ * E4M3 scale byte each in ``s``; block b's per-tensor scale (weight_scale_2) is ``g[b / bpr]``, so
+ * one call covers a stack of experts or the gate and up halves of a fused weight, each row with its
+ * own. Each element is the E2M1 value times the fp32 product of the E4M3 scale's value and g, that
+ * product rounded to fp32, then rounded to BF16 to nearest even, NaN written 0xFFFF: the operations
+ * of vLLM's torch dequantization for NVFP4 on CPU (docs/formats.md#nvfp4-dequantization-for-cpu-layers).
+ * The E2M1 value is built from its bits (magnitude m >= 2: 0x3F000000 + (m << 22); 1: 0.5; 0: 0),
+ * branch-free, so the element loop vectorizes. */
+static inline uint32_t e2m1_bits(uint32_t nib) {
+    const uint32_t m = nib & 7u;
+    uint32_t mag = sel(m >= 2u, 0x3F000000u + (m << 22), sel(m == 1u, 0x3F000000u, 0u));
+    return mag | ((nib & 8u) << 28);
+}
+
+#ifdef __AVX2__
+static inline __m256i e2m1_bits_v(__m256i c) { /* e2m1_bits() lane by lane */
+    const __m256i m = _mm256_and_si256(c, I32(7));
+    __m256i r = _mm256_add_epi32(I32(0x3F000000), _mm256_slli_epi32(m, 22));
+    r = _mm256_blendv_epi8(r, I32(0x3F000000), _mm256_cmpeq_epi32(m, I32(1)));
+    r = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, I32(0)), r);
+    return _mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(c, I32(8)), 28));
+}
+
+static inline __m256i bf16_rne_nan_ffff_v(__m256 f) { /* bf16_rne_nan_ffff() lane by lane, in int32 lanes */
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), I32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, I32(0x7FFF)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, I32(0x7FFFFFFF)), I32(0x7F800000));
+    return _mm256_or_si256(r, _mm256_and_si256(nan, I32(0xFFFF)));
+}
+
+static void nvfp4_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restrict s, const float *restrict g,
+                               int64_t bpr, int64_t b0, int64_t b1, uint16_t *restrict out) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = b0; b < b1; b++) {
+        const __m256 sc = _mm256_set1_ps(e4m3_value(s[b]) * g[b / bpr]);
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+        const __m256i c0 = _mm256_cvtepu8_epi32(codes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
+        const __m256i r0 = bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c0)), sc));
+        const __m256i r1 = bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c1)), sc));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
+        _mm256_storeu_si256((__m256i *)(out + b * 16), packed);
+    }
+}
+#endif
+
+void qc_nvfp4_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, const float *restrict g, int64_t bpr,
+                      int64_t b0, int64_t b1, uint16_t *restrict out) {
+#ifdef __AVX2__
+    if (getenv("QCONVERT_NO_AVX2") == NULL) {
+        nvfp4_to_bf16_avx2(q, s, g, bpr, b0, b1, out);
+        return;
+    }
+#endif
+    for (int64_t b = b0; b < b1; b++) {
+        const float sc = e4m3_value(s[b]) * g[b / bpr];
+        const uint8_t *restrict qb = q + b * 8;
+        uint16_t *restrict ob = out + b * 16;
+        for (int i = 0; i < 16; i++) {
+            const uint32_t c = ((uint32_t)qb[i >> 1] >> ((i & 1) << 2)) & 15u;
+            ob[i] = bf16_rne_nan_ffff(u2f(e2m1_bits(c)) * sc);
+        }
+    }
+}

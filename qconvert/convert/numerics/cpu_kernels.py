@@ -158,6 +158,8 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
     lib.qc_decode_stats.restype = None
     lib.qc_mxfp8_to_bf16.argtypes = [p, p, i64, i64, p]
     lib.qc_mxfp8_to_bf16.restype = None
+    lib.qc_nvfp4_to_bf16.argtypes = [p, p, p, i64, i64, i64, p]
+    lib.qc_nvfp4_to_bf16.restype = None
     return lib, ""
 
 
@@ -233,6 +235,16 @@ def _self_check(lib: ctypes.CDLL) -> str:
     lib.qc_mxfp8_to_bf16(q.data_ptr(), s.data_ptr(), 0, s.numel(), out.data_ptr())
     if not torch.equal(out.view(torch.int16), mxfp8_to_bf16_reference(q, s).view(torch.int16)):
         return "MXFP8 to BF16, every code and scale"
+    # NVFP4 -> BF16: every pair of codes under every scale byte, rows with their own global scales
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).view(-1, 8)
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(32)
+    g = torch.tensor([1.0, 0.37, 2.0**-20, 3.0e5], dtype=torch.float32).repeat(256)
+    want = nvfp4_to_bf16_reference(q, s, g.repeat_interleave(8)).view(torch.int16)
+    out = torch.empty(q.shape[0], 16, dtype=torch.bfloat16)
+    for path in _loop_paths():
+        lib.qc_nvfp4_to_bf16(q.data_ptr(), s.data_ptr(), g.data_ptr(), 8, 0, s.numel(), out.data_ptr())
+        if not torch.equal(out.view(torch.int16), want):
+            return f"NVFP4 to BF16, every code pair and scale, {path} loops"
     return ""
 
 
@@ -315,6 +327,34 @@ def mxfp8_to_bf16_reference(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     x = q.view(torch.float8_e4m3fn).to(torch.float32) * torch.exp2(s.to(torch.float32) - 127.0).unsqueeze(-1)
     out = x.to(torch.bfloat16)
     out.view(torch.int16)[torch.isnan(x)] = -1  # 0xFFFF, whichever conversion loop torch took
+    return out
+
+
+def nvfp4_to_bf16_into(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, out: torch.Tensor, workers: int) -> None:
+    """BF16 values of contiguous NVFP4 blocks ``q [n, 8]`` (two E2M1 codes a byte, the low nibble
+    first) with E4M3 scale bytes ``s [n]`` and fp32 per-tensor scales ``g [r]`` (block b takes
+    ``g[b // (n // r)]``: one per row, or one for all) into contiguous BF16 ``out [n, 16]``:
+    :func:`nvfp4_to_bf16_reference` bit for bit (``qc_nvfp4_to_bf16`` in ``cpu_kernels.c``)."""
+    lib = library()
+    n = s.numel()
+    if g.dtype != torch.float32 or not g.is_contiguous() or g.numel() == 0 or n % g.numel():
+        raise ValueError(f"{n} blocks cannot share {g.numel()} per-tensor scales evenly")
+    bpr = n // g.numel()
+    qp, sp, gp, op = q.data_ptr(), s.data_ptr(), g.data_ptr(), out.data_ptr()
+    run_chunks(lambda b0, b1: lib.qc_nvfp4_to_bf16(qp, sp, gp, bpr, b0, b1, op), n, workers, 1 << 12)
+
+
+def nvfp4_to_bf16_reference(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The torch definition :func:`nvfp4_to_bf16_into` computes, for blocks ``q [n, 8]``, ``s [n]``
+    and one fp32 per-tensor scale per block ``g [n]``: the E2M1 value times the fp32 product of the
+    E4M3 scale and ``g``, rounded to BF16, NaN written 0xFFFF."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+    codes = torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], 16).to(torch.int64)
+    vals = lut[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    sc = s.view(torch.float8_e4m3fn).to(torch.float32) * g
+    x = vals * sc.unsqueeze(-1)
+    out = x.to(torch.bfloat16)
+    out.view(torch.int16)[torch.isnan(x)] = -1
     return out
 
 
