@@ -345,13 +345,11 @@ class CopyPlan:
 class _Recorder:
     """Dispatch mode over the first load of a layout (see :class:`CopyPlan`)."""
 
-    def __init__(self, served: list[tuple[torch.nn.Module, str, torch.Tensor]]):
+    def __init__(self, served: list[tuple[torch.nn.Module, str, torch.Tensor]], index):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         self.dst_of = {p.untyped_storage().data_ptr(): p for _, _, p in served}
-        # per staged storage: start byte offsets (ascending) and (end, name, dtype) of its tensors
-        self.starts: dict[int, list[int]] = {}
-        self.tensors: dict[int, list[tuple[int, str, torch.dtype]]] = {}
+        self.index = index  # vllm_replay.StagedIndex of the staged tensors of this load
         self.copies: dict[str, list[tuple[torch.Tensor, tuple]]] = {}
         self.other: set[str] = set()
         self.refused: str | None = None
@@ -364,31 +362,11 @@ class _Recorder:
 
         self.mode = Mode()
 
-    def watch(self, weights):
-        """``weights`` unchanged, each tensor's byte range noted (they come in offset order per file)."""
-        for name, t in weights:
-            key = _storage_key(t)
-            start = t.storage_offset() * t.element_size()
-            starts = self.starts.setdefault(key, []) if key is not None else [start]
-            if t.nbytes and (not starts or start > starts[-1]):
-                starts.append(start)
-                self.tensors.setdefault(key, []).append((start + t.nbytes, name, t.dtype))
-            yield name, t
-
-    def _source(self, t) -> tuple[str | None, bool] | None:
-        """None when ``t`` is not a view of a staged file; else (the staged tensor it lies in, or
-        None; whether it has that tensor's dtype)."""
-        import bisect
-
-        starts = self.starts.get(_storage_key(t))
-        if not starts:
-            return None
-        at = t.storage_offset() * t.element_size()
-        i = bisect.bisect_right(starts, at) - 1
-        if i < 0:
-            return None, False
-        end, name, dtype = self.tensors[_storage_key(t)][i]
-        return (name, dtype == t.dtype) if at < end else (None, False)
+    def _source(self, t) -> tuple[str, bool] | None:
+        """None when ``t`` does not start inside a staged tensor; else (that staged tensor,
+        whether ``t`` has its dtype)."""
+        got = self.index.find(t) if _storage_key(t) is not None else None
+        return None if got is None else (got[0], got[1] == t.dtype)
 
     def see(self, func, args, kwargs) -> None:
         import torch.utils._pytree as pytree
@@ -400,10 +378,10 @@ class _Recorder:
             got = self._source(src)
             served = self.dst_of.get(_storage_key(dst))
             if served is None:
-                if got is not None and got[0] is not None:
+                if got is not None:
                     self.other.add(got[0])
                 return
-            if got is None or got[0] is None or not got[1] or dst.dtype != served.dtype:
+            if got is None or not got[1] or dst.dtype != served.dtype:
                 self.refused = "direct-write-not-a-staged-copy"
                 return
             self.copies.setdefault(got[0], []).append((dst, src.dtype, _geometry(src)))
@@ -412,7 +390,7 @@ class _Recorder:
             return
         for t in pytree.arg_tree_leaves(*args, **kwargs):
             got = self._source(t) if isinstance(t, torch.Tensor) else None
-            if got is not None and got[0] is not None:
+            if got is not None:
                 self.other.add(got[0])
         written = [
             a
@@ -438,13 +416,18 @@ class _Recorder:
         return CopyPlan(key, copies), None
 
 
-def record_plan(served: list[tuple], staged, load, key: tuple) -> tuple[CopyPlan | None, str | None]:
+def record_plan(served: list[tuple], staged, load, key: tuple, index=None) -> tuple[CopyPlan | None, str | None]:
     """Run ``load(iterator over staged)`` (a real load) while recording where the staged tensors
     are copied in ``served`` ((module, name, parameter) of the direct modules); returns the
-    :class:`CopyPlan` for ``key``, or (None, the reason there is none)."""
-    recorder = _Recorder(served)
+    :class:`CopyPlan` for ``key``, or (None, the reason there is none). ``index``: the
+    vllm_replay.StagedIndex the staged tensors are noted in (shared with the loader plan's
+    recorder), a fresh one by default."""
+    from qconvert.engine.vllm_replay import StagedIndex
+
+    index = index if index is not None else StagedIndex()
+    recorder = _Recorder(served, index)
     with recorder.mode:
-        load(recorder.watch(staged))
+        load(index.watch(staged))
     return recorder.plan(key, staged.file_of)
 
 
@@ -496,13 +479,12 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
             elif key is not None:
                 _PLANS.pop(model, None)
                 vllm_replay.keep(model, None)
-                lrec = stack.enter_context(vllm_replay.recording(model))
+                index = vllm_replay.StagedIndex()  # one index of the staged tensors for both recorders
+                lrec = stack.enter_context(vllm_replay.recording(model, index))
                 if direct:
-                    got, refused = record_plan(
-                        _served(forms, direct), staged, lambda w: model.load_weights(lrec.watch(w)), key
-                    )
+                    got, refused = record_plan(_served(forms, direct), staged, model.load_weights, key, index)
                 else:  # nothing to copy directly (a GPU server): no dispatch mode over the load
-                    model.load_weights(lrec.watch(iter(staged)))
+                    model.load_weights(index.watch(iter(staged)))
                     got, refused = CopyPlan(key, {}), None
                 if got is not None:
                     _PLANS[model] = got

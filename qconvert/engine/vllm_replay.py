@@ -48,7 +48,8 @@ def _plain(v) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(_plain(x) for x in v))
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
+def storage_key(t: torch.Tensor) -> tuple:
+    """A tensor's storage as (device type, device index, address)."""
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
@@ -120,33 +121,34 @@ class LoaderPlan:
         return others, done
 
 
-class _Recorder:
-    """Notes the staged tensors as they pass and the calls ``_layerwise_process`` receives."""
+class StagedIndex:
+    """Where the staged tensors of one load lie, as they pass (:meth:`watch`): per storage (device
+    and address), the byte range, name and dtype of each, in the order they came. The copy plan's
+    recorder (vllm_direct) and the loader plan's recorder (:class:`_Recorder`) both ask it which
+    staged tensor a tensor they see is a view of (:meth:`find`)."""
 
     def __init__(self):
-        # per storage: the byte starts of the staged tensors in it (ascending) and (end, name)
-        self.starts: dict[tuple, list[int]] = {}
-        self.ends: dict[tuple, list[tuple[int, str]]] = {}
-        self.modules: list[ModuleCalls] = []
-        self.captured: set[int] = set()
-        self.refused: str | None = None
+        self.starts: dict[tuple, list[int]] = {}  # ascending byte starts per storage
+        self.entries: dict[tuple, list[tuple[int, str, torch.dtype]]] = {}  # (end, name, dtype), same order
 
     def watch(self, weights):
+        """``weights`` unchanged, each tensor noted (per file they come in offset order)."""
         for name, t in weights:
             if t.nbytes:
-                key = _storage_key(t)
+                key = storage_key(t)
                 start = t.storage_offset() * t.element_size()
                 starts = self.starts.setdefault(key, [])
-                if starts and start <= starts[-1]:  # a new buffer at a freed one's address
+                if starts and start <= starts[-1]:  # a new buffer at a freed one's address (device chunks)
                     starts.clear()
-                    self.ends[key] = []
+                    self.entries[key] = []
                 starts.append(start)
-                self.ends.setdefault(key, []).append((start + t.nbytes, name))
+                self.entries.setdefault(key, []).append((start + t.nbytes, name, t.dtype))
             yield name, t
 
-    def source(self, t: torch.Tensor) -> tuple[str, int] | None:
-        """(staged tensor, offset of ``t`` in elements of its dtype from that tensor's start)."""
-        key = _storage_key(t)
+    def find(self, t: torch.Tensor) -> tuple[str, torch.dtype, int, int] | None:
+        """(name, dtype, first byte, end byte) of the staged tensor holding ``t``'s first byte, or
+        None where that byte lies in none (not a view of a staged tensor)."""
+        key = storage_key(t)
         starts = self.starts.get(key)
         if not starts:
             return None
@@ -154,9 +156,33 @@ class _Recorder:
         i = bisect.bisect_right(starts, at) - 1
         if i < 0:
             return None
-        end, name = self.ends[key][i]
+        end, name, dtype = self.entries[key][i]
+        return (name, dtype, starts[i], end) if at < end else None
+
+
+class _Recorder:
+    """Notes the calls ``_layerwise_process`` receives, each staged tensor among their arguments
+    found in ``index``."""
+
+    def __init__(self, index: StagedIndex):
+        self.index = index
+        self.modules: list[ModuleCalls] = []
+        self.captured: set[int] = set()
+        self.refused: str | None = None
+
+    def watch(self, weights):
+        return self.index.watch(weights)
+
+    def source(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(staged tensor, offset of ``t`` in elements of its dtype from that tensor's start), or
+        None unless all of ``t`` lies in one staged tensor at a whole element."""
+        got = self.index.find(t)
+        if got is None:
+            return None
+        name, _, start, end = got
+        at = t.storage_offset() * t.element_size()
         last = at + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
-        rel = at - starts[i]
+        rel = at - start
         if t.numel() == 0 or last > end or rel % t.element_size():
             return None
         return name, rel // t.element_size()
@@ -230,14 +256,14 @@ class _Recorder:
 
 
 @contextmanager
-def recording(model: torch.nn.Module):
+def recording(model: torch.nn.Module, index: StagedIndex | None = None):
     """Around one layerwise load (``initialize_layerwise_reload`` to ``finalize_layerwise_reload``
-    included): yields the :class:`_Recorder`; feed the staged tensors through its ``watch``, take
-    its ``pending(model)`` between ``load_weights`` and ``finalize_layerwise_reload``, and its
-    ``plan`` after."""
+    included): yields the :class:`_Recorder`; feed the staged tensors through its ``watch`` (its
+    ``index``'s: a fresh one, or the one given), take its ``pending(model)`` between
+    ``load_weights`` and ``finalize_layerwise_reload``, and its ``plan`` after."""
     from vllm.model_executor.model_loader.reload import layerwise
 
-    rec = _Recorder()
+    rec = _Recorder(index if index is not None else StagedIndex())
     original = layerwise._layerwise_process
 
     def noting(layer, info):
