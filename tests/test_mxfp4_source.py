@@ -106,7 +106,14 @@ def test_nan_scale_byte_refused(gptoss, cast):
 def test_conversion_refused_naming_why(gptoss, tmp_path, scheme):
     src, _ = gptoss
     dst = tmp_path / "out"
-    assert_one_line(cli(scheme, src, dst), 1, "MXFP4", scheme.upper() if scheme == "nvfp4" else "MXFP8", DOC)
+    assert_one_line(
+        cli(scheme, src, dst),
+        1,
+        "MXFP4",
+        scheme.upper() if scheme == "nvfp4" else "MXFP8",
+        DOC,
+        "qconvert bf16 SRC DST",
+    )
     assert not dst.exists() and list(tmp_path.iterdir()) == []
     assert_one_line(cli(scheme, src, "--dry-run"), 1, DOC)
 

@@ -213,7 +213,8 @@ def refusal(source: Mxfp4Source, where, code: Refusal = Refusal.NO_ENGINE_FORM) 
         return CheckpointError(
             f"{where}: an MXFP4 checkpoint (gpt-oss experts, e.g. {first!r}): no engine loads gpt-oss experts as "
             "NVFP4 or MXFP8 (vLLM 0.32 and SGLang read them as MXFP4, FP8 or BF16 only; "
-            "docs/formats.md#gpt-oss-quantized-forms), so qconvert writes neither: serve the MXFP4 checkpoint as it is"
+            "docs/formats.md#gpt-oss-quantized-forms), so qconvert writes neither: serve the MXFP4 checkpoint as it is, or its BF16 decode "
+            "(qconvert bf16 SRC DST)"
         )
     raise AssertionError(code)
 
