@@ -331,14 +331,8 @@ def refresh_mxfp8_experts(layer) -> None:
         ("_qc_w13", layer.w13_weight.data, layer.w13_weight_scale.data),
         ("_qc_w2", layer.w2_weight.data, layer.w2_weight_scale.data),
     ):
-        old = getattr(layer, name, None)
-        if (
-            isinstance(old, torch.Tensor)
-            and dtype == torch.bfloat16
-            and old.dtype == dtype
-            and old.shape == w.shape
-            and old.is_contiguous()
-        ):
+        old = _kept(layer, name, w.shape, dtype) if dtype == torch.bfloat16 else None  # the kernel writes BF16
+        if old is not None:
             mxfp8_experts_to_bf16(w, s, out=old)
         else:
             setattr(layer, name, mxfp8_experts_to_bf16(w, s).to(dtype))
