@@ -559,8 +559,14 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
     with gpu_refitter(srv, b_src, "synth") as (r, gpu):
         timed_refits(r, gpu, "synth-refit", rec.setdefault("runs", []))
         # the floor of the server's load: in its worker, the area's files mapped and copied to the GPU
-        (rec["copy_floor"],) = VllmClient(srv.url).collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
-        log("copy floor", rec["copy_floor"])
+        # (kept: the area's files whole from the worker's kept, registered mappings; fresh: mapped
+        # afresh and copied per tensor from pageable memory, the floor before the kept mappings)
+        c0 = VllmClient(srv.url)
+        (rec["copy_floor"],) = c0.collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
+        (rec["copy_floor_fresh"],) = c0.collective_rpc(
+            "qconvert_copy_floor", area=str(r.area), repeat=3, keep_maps=False
+        )
+        log("copy floor", rec["copy_floor"], "fresh maps", rec["copy_floor_fresh"])
         save()
         # the GPU load with the device chunks (the default) against host views, alternating in
         # this one server: pause, load the same committed area, resume
@@ -577,7 +583,20 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
 
         # the loader replay against vLLM's own layerwise reload (direct=False), alternating, both
         # with the device chunks; the first pair also compares every served tensor's digest
-        keys = ("device_chunks", "load_seconds", "seconds", "bytes", "path", "why", "plan", "replay", "modules")
+        keys = (
+            "device_chunks",
+            "kept_maps",
+            "pinned_files",
+            "pin_error",
+            "load_seconds",
+            "seconds",
+            "bytes",
+            "path",
+            "why",
+            "plan",
+            "replay",
+            "modules",
+        )
         ab = rec.setdefault("replay_ab", [])
         for i in range(3):
             for direct in (False, True):
@@ -591,6 +610,15 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         rec["replay_equals_layerwise"] = d["True"] == d["False"]
         rec["tensors_compared"] = len(d["True"])
         log("replay leaves the served tensors of vLLM's layerwise reload:", rec["replay_equals_layerwise"])
+        save()
+        # the kept, registered mappings (docs/reload.md#kept-mappings) against mapping afresh,
+        # alternating, both with the server's default load path
+        km = rec.setdefault("keep_maps_ab", [])
+        for _ in range(3):
+            for keep in (False, True):
+                st = paused_load(keep_maps=keep)
+                km.append({k: st.get(k) for k in keys})
+                log("kept maps A/B", km[-1])
         save()
         if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
             rec["profiled_load"] = paused_load(profile=PROFILE)

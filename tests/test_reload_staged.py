@@ -527,6 +527,93 @@ def test_refit_area_reloads_through_the_extension(demo_moe, shm_root, monkeypatc
     assert res[0].load[0]["area"] == str(area)
 
 
+def _refits(demo_moe, name: str, n: int):
+    """A Refitter over the demo's BF16 tensors; yields after each of ``n`` refits (each with other
+    weights), the committed slot's directory."""
+    from qconvert.convert.options import ConvertOptions
+    from qconvert.convert.plan import PlanOptions
+    from qconvert.trainer.refit import Refitter
+
+    opts = ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False, fsync=False)
+    src = sorted(_source_tensors(demo_moe).items(), key=lambda kv: (staging.group_key(kv[0]), kv[0]))
+    with Refitter(demo_moe, opts, name) as r:
+        for i in range(n):
+            r.stage([(k, t * (1.0 + 0.25 * i)) for k, t in src])
+            yield r.commit().path
+
+
+def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
+    """A GPU server keeps a refit area's mappings between loads (docs/reload.md#kept-mappings; here
+    forced on a CPU model, where nothing is registered): each file is mapped once per slot, a later
+    refit's in-place writes are what the next load hands vLLM (equal to the safetensors library's
+    reading of the committed slot), a file made again is mapped again, and a dropped area's
+    mappings are let go at the next load."""
+    kept = vllm_staged.KeptMaps()
+    monkeypatch.setattr(vllm_staged, "KEPT", kept)
+    area = shm_root / "kept"
+    mms, seen = {}, []
+    for slot_dir in _refits(demo_moe, "kept", 3):
+        stats, got, _ = _load(area, keep_maps=True)
+        want = _source_tensors(slot_dir)
+        assert got.keys() == want.keys() and all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in want.items())
+        assert stats["kept_maps"] is True and stats["pinned_files"] == 0 and stats["mappings_released"]
+        seen.append({n: _bytes(t).sum().item() for n, t in got.items()})
+        for key, k in kept._maps.items():
+            assert mms.setdefault(key, k.mm) is k.mm, key  # mapped once, reused by later loads
+    assert seen[0] != seen[2]  # slot 0 twice: the third refit's bytes, through the first load's mappings
+    files = len(fmt.read_area(area).files)
+    assert len(kept) == 2 * files
+    # the default on a CPU server: mapped afresh, nothing kept
+    before = len(kept)
+    assert _load(area)[0]["kept_maps"] is False and len(kept) == before
+    # a file made again at the same path (new inode) is mapped again
+    view = fmt.read_area(area)
+    victim = view.directory / view.files[0].name
+    tmp = victim.with_name("tmp")
+    shutil.copyfile(victim, tmp)
+    os.replace(tmp, victim)
+    _, got, _ = _load(area, keep_maps=True)
+    assert kept._maps[str(victim)].mm is not mms[str(victim)]
+    assert all(torch.equal(_bytes(got[n]), _bytes(t)) for n, t in _source_tensors(view.directory).items())
+    # the copy floor over the kept mappings: every file of the rank, whole
+    fl = vllm_staged.copy_floor(torch.nn.Module(), area, repeat=1, keep_maps=True)
+    assert fl["kind"] == "kept-files" and fl["bytes"] == view.nbytes and fl["files"] == files
+    assert kept.release(area) == 2 * files and len(kept) == 0
+    _load(area, keep_maps=True)
+    shutil.rmtree(area)
+    assert kept.prune() == files and len(kept) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatch):
+    """On a CUDA model a refit area's files are kept mapped and registered with CUDA (read-only)
+    by default: every load after a refit hands device tensors equal to the committed slot's files;
+    the copy floor is the kept files' copy; release lets every registration go."""
+    kept = vllm_staged.KeptMaps()
+    monkeypatch.setattr(vllm_staged, "KEPT", kept)
+    model = torch.nn.Linear(1, 1, device="cuda")
+    area = shm_root / "pinned"
+    got: dict = {}
+
+    def reload_weights(weights):
+        for name, t in weights:
+            assert t.device.type == "cuda", name
+            got[name] = t.clone()
+
+    for slot_dir in _refits(demo_moe, "pinned", 3):
+        got.clear()
+        stats = vllm_staged.load_staged(model, area, reload_weights)
+        want = _source_tensors(slot_dir)
+        assert stats["kept_maps"] is True and stats["device_chunks"] is True, stats
+        assert stats["pinned_files"] == stats["files"], stats.get("pin_error")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(_bytes(got[n].cpu()), _bytes(t)) for n, t in want.items())
+    files = len(fmt.read_area(area).files)
+    fl = vllm_staged.copy_floor(model, area, repeat=2)
+    assert fl["kind"] == "kept-files" and fl["pinned_files"] == files
+    assert kept.release() == 2 * files and len(kept) == 0
+
+
 def test_sglang_reads_a_refit_area_from_its_committed_slot(demo_dense, shm_root):
     """SGLang has no worker extension: ``reload sglang shm:NAME`` of a version 2 area sends the
     committed slot's directory (the area's root holds no weights), while the client holds that

@@ -55,6 +55,8 @@ class MappedFile:
     spec: object  # formats.staging.FileSpec
 
     typed: dict | None = None  # dtype -> the mapping as that dtype (whole elements), made on first use
+    kept: bool = False  # a mapping of :class:`KeptMaps`: outlives the load, close() leaves it mapped
+    pinned: bool = False  # registered with CUDA (page-locked): host-to-device copies at full speed
 
     def whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The mapping as a 1-D tensor of ``dtype`` (its whole elements), storage offset 0."""
@@ -87,9 +89,12 @@ class MappedFile:
         return torch.as_strided(self.whole(dtype), t.shape, _contiguous_strides(t.shape), off // size)
 
     def close(self) -> bool:
-        """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes)."""
+        """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes).
+        A kept mapping stays mapped (:class:`KeptMaps` owns it); this load only lets go of it."""
         self.base = None  # type: ignore[assignment]
         self.typed = None
+        if self.kept:
+            return True
         try:
             self.mm.close()
             return True
@@ -133,6 +138,126 @@ def map_file(directory: Path, spec) -> MappedFile:
         raise StagedLoadError(f"{path}: empty staged file; restage the area")
     base = torch.frombuffer(mm, dtype=torch.uint8)
     return MappedFile(spec.name, path, mm, base, spec)
+
+
+#: Server environment variable: ``0`` maps a refit area's files afresh at every load of a GPU
+#: server too (no kept, registered mappings: :class:`KeptMaps`)
+KEEP_ENV = "QCONVERT_STAGED_KEEP_MAPS"
+#: ``cudaHostRegisterReadOnly`` (CUDA runtime API): page-lock memory the device only reads
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08
+
+
+@dataclass
+class _Kept:
+    ident: tuple[int, int, int]  # (st_dev, st_ino, st_size) of the file when it was mapped
+    mm: mmap.mmap
+    base: torch.Tensor
+    pinned: bool
+
+
+class KeptMaps:
+    """The files of refit areas (version 2) as a GPU server keeps them between loads
+    (docs/reload.md#kept-mappings): each slot file is mapped once, shared and read-only (a
+    write through it faults instead of reaching the area), and registered with CUDA read-only, so
+    every later load copies it to the device from page-locked memory (the trainer overwrites the
+    same pages in place, and the slot lock keeps it off the slot being read). An entry is used only
+    while the path still names the same file (device, inode, size); :meth:`prune` lets go of the
+    files that were replaced or removed (every load calls it), :meth:`release` of all."""
+
+    def __init__(self):
+        self._maps: dict[str, _Kept] = {}
+        self.pin_error: str | None = None  # why the last registration failed (the load then runs pageable)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def get(self, directory: Path, spec, pin: bool) -> MappedFile:
+        path = Path(directory) / spec.name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StagedLoadError(f"{path}: cannot open the staged file ({e.strerror}); restage the area") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size != spec.size or st.st_size == 0:
+                raise StagedLoadError(
+                    f"{path}: {st.st_size} bytes, the staging area says {spec.size} (truncated or "
+                    "rewritten); restage the area"
+                )
+            ident = (st.st_dev, st.st_ino, st.st_size)
+            k = self._maps.get(str(path))
+            if k is not None and k.ident != ident:
+                self._drop(str(path))
+                k = None
+            if k is None:
+                mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+                k = self._maps[str(path)] = _Kept(ident, mm, _readonly_bytes(mm), False)
+        finally:
+            os.close(fd)
+        if pin and not k.pinned:
+            k.pinned = self._register(k.base)
+        return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned)
+
+    def _register(self, t: torch.Tensor) -> bool:
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), _CUDA_HOST_REGISTER_READ_ONLY)
+        rc = int(getattr(rc, "value", rc))
+        if rc != 0:
+            cudart.cudaGetLastError()  # clear it: CUDA would report it again at the next launch
+            self.pin_error = f"cudaHostRegister error {rc}"
+            return False
+        return True
+
+    def _drop(self, key: str) -> None:
+        k = self._maps.pop(key)
+        if k.pinned:
+            torch.cuda.cudart().cudaHostUnregister(k.base.data_ptr())
+        k.base = None  # type: ignore[assignment]
+        try:
+            k.mm.close()
+        except BufferError:  # a tensor of vLLM's still refers to it: unmapped when the last goes
+            pass
+
+    def prune(self) -> int:
+        """Let go of every kept file whose path no longer names it (the area was dropped or made
+        again); returns how many."""
+        gone = []
+        for key, k in self._maps.items():
+            try:
+                st = os.stat(key, follow_symlinks=False)
+                same = (st.st_dev, st.st_ino, st.st_size) == k.ident
+            except OSError:
+                same = False
+            if not same:
+                gone.append(key)
+        for key in gone:
+            self._drop(key)
+        return len(gone)
+
+    def release(self, root: Path | None = None) -> int:
+        """Let go of the kept files of the area at ``root`` (every area when None); returns how many."""
+        prefix = None if root is None else str(Path(root)) + os.sep
+        keys = [key for key in self._maps if prefix is None or key.startswith(prefix)]
+        for key in keys:
+            self._drop(key)
+        return len(keys)
+
+
+def _readonly_bytes(mm: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over a read-only mapping (torch warns that it is not writable: it is not)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+#: the kept mappings of this worker process (one served model per worker)
+KEPT = KeptMaps()
+
+
+def keep_maps_enabled() -> bool:
+    return os.environ.get(KEEP_ENV, "1") != "0"
 
 
 def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,9 +306,9 @@ def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iter
     todo = deque((m, c) for m in maps for c in _chunks(m))
     pending: deque = deque()
 
-    def fetch(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+    def fetch(src: torch.Tensor, dst: torch.Tensor, pinned: bool) -> torch.cuda.Event:
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=pinned)  # from a registered mapping: the DMA engine reads it
             ev = torch.cuda.Event()
             ev.record(stream)
         return ev
@@ -193,7 +318,7 @@ def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iter
             m, (a, b, names) = todo.popleft()
             buf = torch.empty(b - a, dtype=torch.uint8, device=device)  # on the consumer's stream
             view = MappedFile(m.name, m.path, m.mm, buf, m.spec)
-            pending.append((view, a, names, pool.submit(fetch, m.base[a:b], buf)))
+            pending.append((view, a, names, pool.submit(fetch, m.base[a:b], buf, m.pinned)))
 
     try:
         for _ in range(PREFETCH_CHUNKS):
@@ -393,6 +518,7 @@ def load_staged(
     profile: int = 0,
     direct_load=None,
     device_chunks: bool | None = None,
+    keep_maps: bool | None = None,
 ) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
@@ -404,7 +530,10 @@ def load_staged(
     statistics (with ``profile`` > 0, also the load's ``profile`` most expensive functions by
     cumulative time: scripts/bench_reload.py). ``device_chunks`` (default: on unless
     DEVICE_CHUNKS_ENV is ``0``) copies a GPU server's files to the device in chunks first
-    (:func:`iter_tensors_to_device`); ``device_chunks`` in the result says whether it did."""
+    (:func:`iter_tensors_to_device`); ``device_chunks`` in the result says whether it did.
+    ``keep_maps`` (default: on for a refit area loaded by a GPU server, unless KEEP_ENV is ``0``)
+    takes the files from :data:`KEPT` (mapped once, registered with CUDA on a GPU server) instead
+    of mapping them afresh; ``kept_maps`` and ``pinned_files`` in the result say what ran."""
     from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
@@ -418,8 +547,15 @@ def load_staged(
     try:
         with fmt.committed(root, wait_s=lock_wait_s) as view:
             files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
-            for f in files:
-                maps.append(map_file(view.directory, f))
+            keep = view.slot is not None and (
+                keep_maps if keep_maps is not None else device.type == "cuda" and keep_maps_enabled()
+            )
+            if keep:
+                KEPT.prune()
+                maps = [KEPT.get(view.directory, f, pin=device.type == "cuda") for f in files]
+            else:
+                for f in files:
+                    maps.append(map_file(view.directory, f))
             t_map = time.perf_counter()
             if verify:
                 verify_files(view, maps)
@@ -427,7 +563,9 @@ def load_staged(
             layout = _layout_of(view)
             n_tensors = sum(len(m.spec.tensors) for m in maps)
             chunked = layout is None and device.type == "cuda" and bool(device_chunks)
-            extra: dict = {"device_chunks": chunked}
+            extra: dict = {"device_chunks": chunked, "kept_maps": keep, "pinned_files": sum(m.pinned for m in maps)}
+            if keep and KEPT.pin_error and device.type == "cuda":
+                extra["pin_error"] = KEPT.pin_error
 
             forms, why = None, None
             if layout is None:
@@ -492,13 +630,21 @@ def load_staged(
 
 
 def copy_floor(
-    model: torch.nn.Module, area: str | os.PathLike, *, repeat: int = 3, ranks: tuple[int, int, int, int] | None = None
+    model: torch.nn.Module,
+    area: str | os.PathLike,
+    *,
+    repeat: int = 3,
+    ranks: tuple[int, int, int, int] | None = None,
+    keep_maps: bool | None = None,
 ) -> dict:
-    """The floor a load of ``area`` is measured against (scripts/bench_reload.py): in the same
-    process, the files this rank would load mapped afresh (as a load maps them) and one plain copy
-    of every tensor into tensors of the same shapes and dtypes allocated (and touched) beforehand on
-    the model's device (on a GPU server: the host-to-device copy from the mappings).
-    Returns the bytes and the best of ``repeat`` timings."""
+    """The floor a load of ``area`` is measured against (scripts/bench_reload.py,
+    scripts/gpu_vllm_check.py), in the same process, on the model's device, into destinations
+    allocated and touched beforehand; the best of ``repeat`` timings. Where a load keeps the
+    mappings (:class:`KeptMaps`: a refit area on a GPU server, ``keep_maps`` as :func:`load_staged`
+    takes it), the floor is the bare copy of every file this rank loads, whole, from its kept
+    (registered) mapping to the device (``kind`` ``kept-files``); else the files mapped afresh, as a
+    load maps them, and one plain copy of every tensor (``fresh-tensors``; on a GPU server the
+    host-to-device copy from pageable memory)."""
     from qconvert.formats import staging as fmt
 
     tp_size, tp_rank, ep_size, ep_rank = ranks if ranks is not None else server_rank(model)
@@ -506,6 +652,11 @@ def copy_floor(
     best, nbytes, n = float("inf"), 0, 0
     with fmt.committed(Path(area)) as view:
         files = select_files(view, tp_size, tp_rank, ep_size, ep_rank)
+        keep = view.slot is not None and (
+            keep_maps if keep_maps is not None else device.type == "cuda" and keep_maps_enabled()
+        )
+        if keep:
+            return _kept_floor(view, files, device, repeat)
         dst: list[torch.Tensor] | None = None
         for _ in range(max(1, repeat) + 1):  # the first round allocates and touches the destinations
             maps: list[MappedFile] = []
@@ -527,7 +678,30 @@ def copy_floor(
             finally:
                 for m in maps:
                     m.close()
-    return {"bytes": nbytes, "tensors": n, "seconds": best, "threads": torch.get_num_threads()}
+    return {"bytes": nbytes, "tensors": n, "seconds": best, "threads": torch.get_num_threads(), "kind": "fresh-tensors"}
+
+
+def _kept_floor(view, files: list, device: torch.device, repeat: int) -> dict:
+    """:func:`copy_floor` over the kept mappings: each whole file copied to a device buffer of its
+    size (asynchronously where registered), one wait at the end."""
+    KEPT.prune()
+    maps = [KEPT.get(view.directory, f, pin=device.type == "cuda") for f in files]
+    dst = [torch.zeros(m.base.numel(), dtype=torch.uint8, device=device) for m in maps]
+    best = float("inf")
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        for m, d in zip(maps, dst):
+            d.copy_(m.base, non_blocking=m.pinned)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return {
+        "bytes": sum(m.spec.size for m in maps),
+        "files": len(maps),
+        "seconds": best,
+        "pinned_files": sum(m.pinned for m in maps),
+        "kind": "kept-files",
+    }
 
 
 def load_staged_into_worker(
@@ -537,6 +711,7 @@ def load_staged_into_worker(
     profile: int = 0,
     direct: bool | None = None,
     device_chunks: bool | None = None,
+    keep_maps: bool | None = None,
 ) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
     (default: on unless ``QCONVERT_DIRECT_RELOAD=0`` in the server's environment) allows the direct
@@ -571,4 +746,5 @@ def load_staged_into_worker(
         profile=profile,
         direct_load=direct_load if direct and not lora else None,
         device_chunks=device_chunks,
+        keep_maps=keep_maps,
     )

@@ -111,25 +111,40 @@ class WorkerExtension:
         profile: int = 0,
         direct: bool | None = None,
         device_chunks: bool | None = None,
+        keep_maps: bool | None = None,
     ) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
-        forces vLLM's layerwise reload; ``device_chunks=False`` hands a GPU server host views).
+        forces vLLM's layerwise reload; ``device_chunks=False`` hands a GPU server host views;
+        ``keep_maps=False`` maps a refit area afresh instead of from the kept, registered mappings).
         Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
         expensive functions of the load)."""
         from qconvert.engine.vllm_staged import load_staged_into_worker
 
         return load_staged_into_worker(
-            self, area, verify=verify, profile=profile, direct=direct, device_chunks=device_chunks
+            self,
+            area,
+            verify=verify,
+            profile=profile,
+            direct=direct,
+            device_chunks=device_chunks,
+            keep_maps=keep_maps,
         )
+
+    def qconvert_release_staged(self, area: str | None = None) -> int:
+        """Let go of the mappings this worker keeps of the refit area at ``area`` (every area when
+        None): vllm_staged.KeptMaps. Returns how many files it let go of."""
+        from qconvert.engine.vllm_staged import KEPT
+
+        return KEPT.release(area)
 
     def qconvert_weights_digest(self) -> dict[str, str]:
         """Digest of every served tensor (:func:`weights_digest`)."""
         return weights_digest(self.model_runner.get_model())
 
-    def qconvert_copy_floor(self, area: str, repeat: int = 3) -> dict:
+    def qconvert_copy_floor(self, area: str, repeat: int = 3, keep_maps: bool | None = None) -> dict:
         """Benchmark floor (scripts/bench_reload.py): a plain copy of the bytes this rank would load
-        from ``area`` into preallocated tensors, timed in this worker."""
+        from ``area`` into preallocated tensors, timed in this worker (vllm_staged.copy_floor)."""
         from qconvert.engine.vllm_staged import copy_floor
 
-        return copy_floor(self.model_runner.get_model(), area, repeat=repeat)
+        return copy_floor(self.model_runner.get_model(), area, repeat=repeat, keep_maps=keep_maps)
