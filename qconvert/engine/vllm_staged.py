@@ -153,6 +153,7 @@ class _Kept:
     mm: mmap.mmap
     base: torch.Tensor
     pinned: bool
+    writable: bool = False  # registered through a writable mapping (no read-only registration here)
 
 
 class KeptMaps:
@@ -170,6 +171,9 @@ class KeptMaps:
 
     def __len__(self) -> int:
         return len(self._maps)
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._maps
 
     def get(self, directory: Path, spec, pin: bool) -> MappedFile:
         path = Path(directory) / spec.name
@@ -195,16 +199,45 @@ class KeptMaps:
         finally:
             os.close(fd)
         if pin and not k.pinned:
-            k.pinned = self._register(k.base)
+            self._pin(path, k)
         return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned)
 
-    def _register(self, t: torch.Tensor) -> bool:
+    def _pin(self, path: Path, k: _Kept) -> None:
+        """Register ``k`` read-only; where the platform refuses read-only registration, map the
+        file again writable (shared) and register that (the worker still only reads it)."""
+        if self._register(k.base, _CUDA_HOST_REGISTER_READ_ONLY):
+            k.pinned = True
+            return
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_size) != k.ident:
+                return
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        if not self._register(base, 0):
+            del base
+            mm.close()
+            return
+        old = k.mm
+        k.mm, k.base, k.pinned, k.writable = mm, base, True, True
+        try:
+            old.close()
+        except BufferError:
+            pass
+
+    def _register(self, t: torch.Tensor, flags: int) -> bool:
         cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), _CUDA_HOST_REGISTER_READ_ONLY)
+        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), flags)
         rc = int(getattr(rc, "value", rc))
         if rc != 0:
             cudart.cudaGetLastError()  # clear it: CUDA would report it again at the next launch
-            self.pin_error = f"cudaHostRegister error {rc}"
+            self.pin_error = f"cudaHostRegister(flags={flags}) error {rc}"
             return False
         return True
 
@@ -254,6 +287,22 @@ def _readonly_bytes(mm: mmap.mmap) -> torch.Tensor:
 
 #: the kept mappings of this worker process (one served model per worker)
 KEPT = KeptMaps()
+
+
+def _kept_files(view, files: list, device: torch.device) -> list[MappedFile]:
+    """This rank's ``files`` of the committed slot of a refit area from :data:`KEPT` (after letting
+    go of replaced or removed files); the first time, the other slot's are mapped (and registered)
+    too, so that the first load pays for both, as the trainer's first refit does."""
+    from qconvert.formats import staging as fmt
+
+    KEPT.prune()
+    pin = device.type == "cuda"
+    got = [KEPT.get(view.directory, f, pin=pin) for f in files]
+    other = fmt.slot_dir(view.root, 1 - view.slot)
+    for f in files:
+        if str(other / f.name) not in KEPT:
+            KEPT.get(other, f, pin=pin)
+    return got
 
 
 def keep_maps_enabled() -> bool:
@@ -551,8 +600,7 @@ def load_staged(
                 keep_maps if keep_maps is not None else device.type == "cuda" and keep_maps_enabled()
             )
             if keep:
-                KEPT.prune()
-                maps = [KEPT.get(view.directory, f, pin=device.type == "cuda") for f in files]
+                maps = _kept_files(view, files, device)
             else:
                 for f in files:
                     maps.append(map_file(view.directory, f))
@@ -565,7 +613,7 @@ def load_staged(
             chunked = layout is None and device.type == "cuda" and bool(device_chunks)
             extra: dict = {"device_chunks": chunked, "kept_maps": keep, "pinned_files": sum(m.pinned for m in maps)}
             if keep and KEPT.pin_error and device.type == "cuda":
-                extra["pin_error"] = KEPT.pin_error
+                extra["pin_error"] = KEPT.pin_error  # the last refusal (a fallback may have followed)
 
             forms, why = None, None
             if layout is None:
@@ -684,8 +732,7 @@ def copy_floor(
 def _kept_floor(view, files: list, device: torch.device, repeat: int) -> dict:
     """:func:`copy_floor` over the kept mappings: each whole file copied to a device buffer of its
     size (asynchronously where registered), one wait at the end."""
-    KEPT.prune()
-    maps = [KEPT.get(view.directory, f, pin=device.type == "cuda") for f in files]
+    maps = _kept_files(view, files, device)
     dst = [torch.zeros(m.base.numel(), dtype=torch.uint8, device=device) for m in maps]
     best = float("inf")
     for _ in range(max(1, repeat)):
