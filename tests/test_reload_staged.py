@@ -28,7 +28,9 @@ from qconvert.formats import staging as fmt
 
 @pytest.fixture()
 def shm_root(tmp_path, monkeypatch):
-    root = tmp_path / "shm"
+    from conftest import shm_dir  # on /dev/shm with CUDA: registration needs tmpfs
+
+    root = shm_dir(tmp_path)
     monkeypatch.setenv("QCONVERT_SHM_ROOT", str(root))
     return root
 
