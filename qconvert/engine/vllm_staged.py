@@ -154,6 +154,7 @@ class _Kept:
     base: torch.Tensor
     pinned: bool
     writable: bool = False  # registered through a writable mapping (no read-only registration here)
+    pin_tried: bool = False
 
 
 class KeptMaps:
@@ -167,7 +168,7 @@ class KeptMaps:
 
     def __init__(self):
         self._maps: dict[str, _Kept] = {}
-        self.pin_error: str | None = None  # why the last registration failed (the load then runs pageable)
+        self.pin_error: str | None = None  # why a registration of this load failed (a fallback may have followed)
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -198,7 +199,8 @@ class KeptMaps:
                 k = self._maps[str(path)] = _Kept(ident, mm, _readonly_bytes(mm), False)
         finally:
             os.close(fd)
-        if pin and not k.pinned:
+        if pin and not k.pin_tried:
+            k.pin_tried = True  # once per mapping: a refused registration is not retried at every load
             self._pin(path, k)
         return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned)
 
@@ -296,6 +298,7 @@ def _kept_files(view, files: list, device: torch.device) -> list[MappedFile]:
     from qconvert.formats import staging as fmt
 
     KEPT.prune()
+    KEPT.pin_error = None
     pin = device.type == "cuda"
     got = [KEPT.get(view.directory, f, pin=pin) for f in files]
     other = fmt.slot_dir(view.root, 1 - view.slot)
