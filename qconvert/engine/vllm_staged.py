@@ -115,27 +115,29 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def map_file(directory: Path, spec) -> MappedFile:
-    """Map one staging file (its size checked against the area's description first)."""
-    path = Path(directory) / spec.name
+def _open_staged(path: Path, spec) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of a staging file and its stat, its size checked against the area's
+    description (the caller closes it)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise StagedLoadError(f"{path}: cannot open the staged file ({e.strerror}); restage the area") from None
+    st = os.fstat(fd)
+    if st.st_size != spec.size or st.st_size == 0:
+        os.close(fd)
+        what = "empty staged file" if st.st_size == 0 else f"{st.st_size} bytes, the staging area says {spec.size}"
+        raise StagedLoadError(f"{path}: {what} (truncated or rewritten); restage the area")
+    return fd, st
+
+
+def map_file(directory: Path, spec) -> MappedFile:
+    """Map one staging file (its size checked against the area's description first)."""
+    path = Path(directory) / spec.name
+    fd, st = _open_staged(path, spec)
     try:
-        size = os.fstat(fd).st_size
-        if size != spec.size:
-            raise StagedLoadError(
-                f"{path}: {size} bytes, the staging area says {spec.size} (truncated or rewritten); restage the area"
-            )
-        if size == 0:
-            mm = None
-        else:
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    if mm is None:
-        raise StagedLoadError(f"{path}: empty staged file; restage the area")
     base = torch.frombuffer(mm, dtype=torch.uint8)
     return MappedFile(spec.name, path, mm, base, spec)
 
@@ -178,17 +180,8 @@ class KeptMaps:
 
     def get(self, directory: Path, spec, pin: bool) -> MappedFile:
         path = Path(directory) / spec.name
+        fd, st = _open_staged(path, spec)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise StagedLoadError(f"{path}: cannot open the staged file ({e.strerror}); restage the area") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_size != spec.size or st.st_size == 0:
-                raise StagedLoadError(
-                    f"{path}: {st.st_size} bytes, the staging area says {spec.size} (truncated or "
-                    "rewritten); restage the area"
-                )
             ident = (st.st_dev, st.st_ino, st.st_size)
             k = self._maps.get(str(path))
             if k is not None and k.ident != ident:
