@@ -189,11 +189,15 @@ def test_offline_llm_multiprocessing_direct_equals_layerwise(tmp_path, monkeypat
             staging.drop_area(f"llm-{n}")
 
 
-def test_replayed_nvfp4_experts_equal_layerwise(tmp_path, monkeypatch):
-    """NVFP4 experts on the CPU build are rebuilt by vLLM's layerwise reload (their quant method
-    transforms what is loaded), as every module is on a GPU server: the loader replay
-    (docs/reload.md#loader-replay) hands vLLM's per-expert weight loaders the recorded calls, and
-    the served tensors equal vLLM's own layerwise reload of the same area, A after B and B after A."""
+def test_nvfp4_experts_direct_and_replayed_equal_layerwise(tmp_path, monkeypatch):
+    """NVFP4 experts on the CPU build, two ways, each against vLLM's own layerwise reload of the
+    same area (every served tensor, and greedy tokens with logprobs), A after B and B after A:
+
+    * with their direct form turned off for the load (``direct`` a list of forms), they are rebuilt
+      by vLLM's layerwise reload, as every module is on a GPU server, and the loader replay
+      (docs/reload.md#loader-replay) hands vLLM's per-expert weight loaders the recorded calls;
+    * in their direct form (``cpu-nvfp4-moe``, docs/reload.md#vllm-direct-load) the loaded NVFP4
+      tensors land in the served ones and the plugin re-derives the BF16 experts in place."""
     from test_reload_vllm import Server, _make_pair
 
     from qconvert.client.vllm_client import VllmClient
@@ -205,8 +209,9 @@ def test_replayed_nvfp4_experts_equal_layerwise(tmp_path, monkeypatch):
     areas = {n: str(staging.stage_checkpoint(c, f"nv-{n}").path) for n, c in (("a", a), ("b", b))}
     srv = Server(b, tmp_path / "server.log")
     c = VllmClient(srv.url)
+    no_nvfp4 = ["plain", "cpu-moe", "cpu-mxfp8-moe", "cpu-mxfp8-linear"]  # every form but cpu-nvfp4-moe
 
-    def load(name: str, direct: bool) -> dict:
+    def load(name: str, direct) -> dict:
         (st,) = c.collective_rpc(STAGED_RPC, area=areas[name], direct=direct)
         c.collective_rpc("qconvert_repack_cpu_moe")
         return st
@@ -236,17 +241,36 @@ def test_replayed_nvfp4_experts_equal_layerwise(tmp_path, monkeypatch):
             assert st["path"] == "layerwise", st
             want[n] = served()
         assert want["a"] != want["b"]
-        got = [load(n, True) for n in ("a", "b", "a")]
+        # the experts layerwise, their loader calls replayed
+        got = [load(n, no_nvfp4) for n in ("a", "b", "a")]
         assert [(st["plan"], st["replay"]) for st in got] == [
             ("recorded", "recorded"),
             ("replayed", "replayed"),
             ("replayed", "replayed"),
         ], got
+        mods = got[-1]["modules"]
+        assert "cpu-nvfp4-moe" not in mods and mods["layerwise:form-disabled"] >= 2, mods  # the MoE layers
         # the MoE layers are among the replayed modules (every layerwise module with loaded tensors)
-        assert got[-1]["modules"]["replayed-modules"] >= got[-1]["modules"]["layerwise:quant-method-transforms"] > 4
+        assert mods["replayed-modules"] >= mods["layerwise:form-disabled"] + mods["layerwise:quant-method-transforms"]
+        assert served() == want["a"]
+        load("b", no_nvfp4)
+        assert served() == want["b"]
+        # the experts in their direct form (a new plan: the forms differ), B then A then B
+        got = [load(n, True) for n in ("a", "b", "a")]
+        assert [(st["path"], st["plan"]) for st in got] == [
+            ("direct", "recorded"),
+            ("direct", "replayed"),
+            ("direct", "replayed"),
+        ], got
+        mods = got[-1]["modules"]
+        assert mods["cpu-nvfp4-moe"] >= 2 and "layerwise:form-disabled" not in mods, mods
+        assert mods["direct-deferred"] == 0 and mods["planned-tensors"] > 0, mods
         assert served() == want["a"]
         load("b", True)
         assert served() == want["b"]
+        with pytest.raises(Exception, match="unknown direct-load form 'cpu-nvfp4'"):
+            load("a", ["cpu-nvfp4"])
+        assert served() == want["b"]  # the refused load loaded nothing
     finally:
         srv.stop()
         for n in ("a", "b"):

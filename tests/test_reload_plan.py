@@ -124,3 +124,23 @@ def test_gpu_server_replays_the_loader_calls_only_when_turned_on(monkeypatch):
     assert choose(on_meta, enabled=True, layout={"x": 1}) == (None, Why.PRESHUFFLED)
     monkeypatch.setenv(GPU_REPLAY_ENV, "0")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
+
+
+def test_direct_forms_named_by_the_server_environment(monkeypatch):
+    """QCONVERT_DIRECT_RELOAD: unset or 1 takes every direct form, a comma-separated list only
+    those (the others reload layerwise), an unknown name is one line naming it and the choices
+    (docs/reload.md#vllm-direct-load)."""
+    from qconvert.engine.vllm_direct import DIRECT_ENV, Form, direct_enabled, enabled_forms, parse_forms
+
+    monkeypatch.delenv(DIRECT_ENV, raising=False)
+    assert enabled_forms() is None and direct_enabled()
+    monkeypatch.setenv(DIRECT_ENV, " cpu-moe, cpu-nvfp4-moe ")
+    assert enabled_forms() == {Form.CPU_MOE, Form.CPU_NVFP4_MOE} and direct_enabled()
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    assert not direct_enabled()
+    monkeypatch.setenv(DIRECT_ENV, "cpu-moe,layerwise")
+    with pytest.raises(ValueError, match=r"^QCONVERT_DIRECT_RELOAD=cpu-moe,layerwise: unknown direct-load form "):
+        enabled_forms()
+    assert parse_forms([]) == frozenset()
+    msg = str(pytest.raises(ValueError, parse_forms, ["cpu-mxfp8"]).value)
+    assert "\n" not in msg and "'cpu-mxfp8'" in msg and "cpu-mxfp8-moe" in msg

@@ -338,6 +338,21 @@ def refresh_mxfp8_experts(layer) -> None:
             setattr(layer, name, mxfp8_experts_to_bf16(w, s).to(dtype))
 
 
+def refresh_nvfp4_experts(layer) -> None:
+    """Derive what a CPU NVFP4 MoE layer runs on (the BF16 experts ``layer._qc_w13`` / ``_qc_w2``,
+    written in place into the previous ones where they exist, and with W4A4 the activation global
+    scales) from its NVFP4 tensors as loaded, which it leaves unchanged. The one place that makes
+    them: ``process_weights_after_loading`` and the direct reload (vllm_direct) both call it."""
+    layer.quant_method.derive(layer)
+
+
+def is_nvfp4_experts_method(quant_method) -> bool:
+    """Whether ``quant_method`` is this plugin's CPU NVFP4 MoE method (its experts' served form is
+    the loaded NVFP4 tensors plus :func:`refresh_nvfp4_experts`'s BF16 copy)."""
+    cls = globals().get("CpuModelOptNvFp4FusedMoE") if _CLASSES is not None else None
+    return cls is not None and isinstance(quant_method, cls)
+
+
 def is_mxfp8_experts_method(quant_method) -> bool:
     """Whether ``quant_method`` is this plugin's CPU MXFP8 MoE method (its experts' served form is
     the loaded FP8 weights and scales plus :func:`refresh_mxfp8_experts`'s BF16 copy)."""
@@ -440,9 +455,14 @@ def _build_classes():
             _check_moe_layer(layer)
             if not self.moe.is_act_and_mul:
                 raise _refuse("NVFP4 MoE without a gated (act-and-mul) activation")
-            dtype = getattr(layer, "params_dtype", torch.bfloat16)
             if self.quant_config.group_size != 16:
                 raise _refuse(f"NVFP4 MoE with {self.quant_config.group_size}-element blocks (NVFP4 blocks are 16)")
+            refresh_nvfp4_experts(layer)
+
+        def derive(self, layer) -> None:
+            """The BF16 experts and (W4A4) activation scales from the loaded tensors, which it
+            leaves as they are: :func:`refresh_nvfp4_experts`."""
+            dtype = getattr(layer, "params_dtype", torch.bfloat16)
             w13 = layer.w13_weight.data
             e, two_i, _ = w13.shape
             i = two_i // 2

@@ -19,6 +19,10 @@ module's quant method and backend (vLLM 0.32.0 CPU), never by trying and catchin
 * ``Form.CPU_MXFP8_MOE``: MXFP8 experts of qconvert's CPU emulation plugin: the FP8 weights and
   E8M0 scales are kept as loaded; the BF16 copy the experts run on is re-derived in place by the
   plugin's own function (``vllm_cpu_plugin.refresh_mxfp8_experts``).
+* ``Form.CPU_NVFP4_MOE``: NVFP4 experts of the same plugin (W4A16 and W4A4): its
+  ``process_weights_after_loading`` leaves every loaded tensor as loaded and derives the BF16 copy
+  (and the W4A4 activation scales) beside them; the direct load re-derives them in place with the
+  same function (``vllm_cpu_plugin.refresh_nvfp4_experts``).
 * ``Form.CPU_MXFP8_LINEAR``: dense MXFP8 linear layers (ModelOpt / ``quant_method: mxfp8``) on
   vLLM's ``EmulationMxfp8LinearKernel`` (the CPU plugin registers it) with
   ``VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD`` on (vLLM's default): vLLM serves the BF16
@@ -84,12 +88,38 @@ def direct_enabled() -> bool:
     return os.environ.get(DIRECT_ENV, "1") != "0"
 
 
+def enabled_forms() -> frozenset | None:
+    """The forms :data:`DIRECT_ENV` allows: None for all (unset or ``1``); else its comma-separated
+    :class:`Form` values (:func:`parse_forms`; ``0``: none, see :func:`direct_enabled`)."""
+    import os
+
+    got = os.environ.get(DIRECT_ENV, "1").strip()
+    if got in ("1", "0"):
+        return None
+    return parse_forms([x for x in got.split(",") if x.strip()], f"{DIRECT_ENV}={got}")
+
+
+def parse_forms(names, where: str = "direct") -> frozenset:
+    """The :class:`Form` values ``names`` (a list of strings: the server's :data:`DIRECT_ENV`, or
+    the load RPC's ``direct``), every other form reloading layerwise (:data:`Why.FORM_DISABLED`);
+    one line naming the first unknown name."""
+    known = {f.value: f for f in Form if f is not Form.LAYERWISE}
+    got = [str(n).strip() for n in names]
+    bad = [n for n in got if n not in known]
+    if bad:
+        raise ValueError(
+            f"{where}: unknown direct-load form {bad[0]!r}; use a list of " + ", ".join(known) + " (or 0 / 1)"
+        )
+    return frozenset(known[n] for n in got)
+
+
 class Form(enum.Enum):
     """How a module's checkpoint tensors become its served tensors."""
 
     PLAIN = "plain"
     CPU_MOE = "cpu-moe"
     CPU_MXFP8_MOE = "cpu-mxfp8-moe"
+    CPU_NVFP4_MOE = "cpu-nvfp4-moe"
     CPU_MXFP8_LINEAR = "cpu-mxfp8-linear"
     LAYERWISE = "layerwise"
 
@@ -105,6 +135,7 @@ class Why(enum.Enum):
     FIRST_LOAD = "not-yet-processed"  # the MoE kernel was never set up (no weight update yet)
     # whole-load reasons
     DISABLED = "direct-disabled"  # QCONVERT_DIRECT_RELOAD=0, direct=False, or a LoRA server
+    FORM_DISABLED = "form-disabled"  # QCONVERT_DIRECT_RELOAD lists forms, not this module's
     PRESHUFFLED = "preshuffled-area"
     NOT_CPU = "not-cpu"  # the forms above are established for vLLM's CPU backend only
 
@@ -209,6 +240,8 @@ def _moe_form(module, qm) -> Form | Why:
         return Form.CPU_MOE
     if vllm_cpu_plugin.is_mxfp8_experts_method(qm):
         return Form.CPU_MXFP8_MOE
+    if vllm_cpu_plugin.is_nvfp4_experts_method(qm):
+        return Form.CPU_NVFP4_MOE
     return Why.QUANT_METHOD
 
 
@@ -217,9 +250,16 @@ def _owners(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if any(p is not None for p in m._parameters.values())]
 
 
-def plan(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[Form, Why | None]]:
-    """:func:`module_form` of every module that owns parameters."""
-    return {m: module_form(m) for m in _owners(model)}
+def plan(model: torch.nn.Module, forms: frozenset | None = None) -> dict[torch.nn.Module, tuple[Form, Why | None]]:
+    """:func:`module_form` of every module that owns parameters; with ``forms``, a module of any
+    other form is layerwise (:data:`Why.FORM_DISABLED`)."""
+    got = {m: module_form(m) for m in _owners(model)}
+    if forms is not None:
+        got = {
+            m: (f, why) if f is Form.LAYERWISE or f in forms else (Form.LAYERWISE, Why.FORM_DISABLED)
+            for m, (f, why) in got.items()
+        }
+    return got
 
 
 def summary(forms: dict) -> dict[str, int]:
@@ -443,7 +483,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     """One pass of ``model.load_weights`` over ``staged`` (vllm_staged.StagedTensors, or any
     iterable of (name, tensor)): modules of a direct form receive their tensors in their served
     storage (:func:`_targets`), the rest through vLLM's layerwise reload; then each direct form's
-    own step (:data:`Form.CPU_MXFP8_MOE`: the BF16 copy re-derived in place;
+    own step (:data:`Form.CPU_MXFP8_MOE`, :data:`Form.CPU_NVFP4_MOE`: the BF16 copy re-derived in place;
     :data:`Form.CPU_MXFP8_LINEAR`: :func:`refresh_mxfp8_linear`). A ``staged`` with a ``layout``
     gets the :class:`CopyPlan` and the layerwise modules' loader plan (vllm_replay): recorded by
     the first load of a layout, replayed by the next. Returns the module counts (:func:`summary`),
@@ -505,6 +545,8 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
+            elif forms[m][0] is Form.CPU_NVFP4_MOE:
+                vllm_cpu_plugin.refresh_nvfp4_experts(m)
             elif forms[m][0] is Form.CPU_MXFP8_LINEAR:
                 refresh_mxfp8_linear(m)
     return {
@@ -517,12 +559,15 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     }
 
 
-def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tuple[dict | None, Why | None]:
+def choose(
+    model: torch.nn.Module, *, enabled: bool, layout: dict | None, forms: frozenset | None = None
+) -> tuple[dict | None, Why | None]:
     """The forms for a direct load of ``model``, or (None, why) when the whole load goes through
     vLLM's layerwise reload (``enabled`` False: turned off, or a LoRA server). A model without a
     direct module still takes the direct load for its loader plan (vllm_replay). On a GPU server
     every module is layerwise (:data:`Why.NOT_CPU`: the direct forms were established on vLLM's CPU
-    backend), and the load is the loader plan's only where :func:`gpu_replay_enabled`."""
+    backend), and the load is the loader plan's only where :func:`gpu_replay_enabled`. ``forms``:
+    the only forms to take (:func:`plan`), all when None."""
     if not enabled:
         return None, Why.DISABLED
     if layout is not None:
@@ -531,7 +576,7 @@ def choose(model: torch.nn.Module, *, enabled: bool, layout: dict | None) -> tup
         if not gpu_replay_enabled():
             return None, Why.NOT_CPU  # docs/reload.md#vllm-direct-load: GPU servers reload layerwise
         return {m: (Form.LAYERWISE, Why.NOT_CPU) for m in _owners(model)}, None
-    return plan(model), None
+    return plan(model, forms), None
 
 
 #: Server environment variable: ``1`` replays the recorded loader calls on a GPU server too

@@ -564,13 +564,14 @@ def load_staged(
     direct_load=None,
     device_chunks: bool | None = None,
     keep_maps: bool | None = None,
+    direct_forms: frozenset | None = None,
 ) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
     ``reload_weights(iterator)`` hands (name, tensor) pairs to vLLM's layerwise reload (checkpoint
     format). ``direct_load(StagedTensors, forms)``, when given, is the direct in-place load
     (qconvert/engine/vllm_direct.py), taken when :func:`vllm_direct.choose` finds modules it
-    applies to; ``path`` in the result says which ran (``why``: the reason code of a layerwise
+    applies to (only the forms ``direct_forms`` names, when given); ``path`` in the result says which ran (``why``: the reason code of a layerwise
     load, ``modules``: the direct load's module counts per form). Returns JSON-serialisable
     statistics (with ``profile`` > 0, also the load's ``profile`` most expensive functions by
     cumulative time: scripts/bench_reload.py). ``device_chunks`` (default: on unless
@@ -615,7 +616,9 @@ def load_staged(
             if layout is None:
                 from qconvert.engine import vllm_direct
 
-                forms, why = vllm_direct.choose(model, enabled=direct_load is not None, layout=layout)
+                forms, why = vllm_direct.choose(
+                    model, enabled=direct_load is not None, layout=layout, forms=direct_forms
+                )
                 extra["path"] = vllm_direct.PATH_DIRECT if forms is not None else vllm_direct.PATH_LAYERWISE
                 if why is not None:
                     extra["why"] = why.value
@@ -752,14 +755,15 @@ def load_staged_into_worker(
     area: str,
     verify: bool = False,
     profile: int = 0,
-    direct: bool | None = None,
+    direct: bool | list | None = None,
     device_chunks: bool | None = None,
     keep_maps: bool | None = None,
 ) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
-    (default: on unless ``QCONVERT_DIRECT_RELOAD=0`` in the server's environment) allows the direct
-    in-place load where it is exact (qconvert/engine/vllm_direct.py); ``device_chunks``: see
-    :func:`load_staged`."""
+    (default: the server's ``QCONVERT_DIRECT_RELOAD``, on when unset) allows the direct in-place
+    load where it is exact (qconvert/engine/vllm_direct.py): True for every form, False for none,
+    or a list of form names (``vllm_direct.Form`` values), the others then reloading layerwise;
+    ``device_chunks``, ``keep_maps``: see :func:`load_staged`."""
     from qconvert.engine import vllm_direct
 
     runner = worker.model_runner
@@ -778,8 +782,11 @@ def load_staged_into_worker(
                 fn()
         return got
 
+    forms = None
     if direct is None:
-        direct = vllm_direct.direct_enabled()
+        direct, forms = vllm_direct.direct_enabled(), vllm_direct.enabled_forms()
+    elif isinstance(direct, (list, tuple)):
+        direct, forms = True, vllm_direct.parse_forms(direct, "qconvert_load_staged direct")
     lora = getattr(worker.vllm_config, "lora_config", None) is not None
     return load_staged(
         runner.get_model(),
@@ -790,4 +797,5 @@ def load_staged_into_worker(
         direct_load=direct_load if direct and not lora else None,
         device_chunks=device_chunks,
         keep_maps=keep_maps,
+        direct_forms=forms,
     )

@@ -109,13 +109,13 @@ class WorkerExtension:
         area: str,
         verify: bool = False,
         profile: int = 0,
-        direct: bool | None = None,
+        direct: bool | list | None = None,
         device_chunks: bool | None = None,
         keep_maps: bool | None = None,
     ) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
-        forces vLLM's layerwise reload; ``device_chunks=False`` hands a GPU server host views;
+        forces vLLM's layerwise reload, a list of form names takes only those forms directly; ``device_chunks=False`` hands a GPU server host views;
         ``keep_maps=False`` maps a refit area afresh instead of from the kept, registered mappings).
         Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
         expensive functions of the load)."""
