@@ -586,6 +586,20 @@ def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
     assert kept.prune() == 2 * files and len(kept) == 0
 
 
+def test_kept_maps_skip_missing_files_of_the_other_slot(mxfp8_moe, shm_root, tmp_path, monkeypatch):
+    """The first kept load maps the other slot's files too; one missing there (an area from
+    another writer) is left to the load that reads that slot, and this load goes on."""
+    kept = vllm_staged.KeptMaps()
+    monkeypatch.setattr(vllm_staged, "KEPT", kept)
+    v2 = _v2_from_v1(staging.stage_checkpoint(mxfp8_moe, "v1").path, tmp_path / "v2")  # slot 1 committed
+    n = len(fmt.read_area(v2).files)
+    (fmt.slot_dir(v2, 0) / fmt.file_name(0, 0)).unlink()
+    stats, got, _ = _load(v2, keep_maps=True)
+    want = _source_tensors(mxfp8_moe)
+    assert stats["slot"] == 1 and all(torch.equal(_bytes(got[k]), _bytes(t)) for k, t in want.items())
+    assert len(kept) == 2 * n - 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatch):
     """On a CUDA model a refit area's files are kept mapped and registered with CUDA (read-only)

@@ -297,7 +297,10 @@ def _kept_files(view, files: list, device: torch.device) -> list[MappedFile]:
     other = fmt.slot_dir(view.root, 1 - view.slot)
     for f in files:
         if str(other / f.name) not in KEPT:
-            KEPT.get(other, f, pin=pin)
+            try:
+                KEPT.get(other, f, pin=pin)
+            except StagedLoadError:  # not made yet or replaced: mapped by the load that reads it
+                pass
     return got
 
 
