@@ -600,6 +600,90 @@ def test_kept_maps_skip_missing_files_of_the_other_slot(mxfp8_moe, shm_root, tmp
     assert len(kept) == 2 * n - 1
 
 
+def test_kept_maps_fall_back_when_read_only_registration_is_refused(demo_moe, shm_root, monkeypatch):
+    """Where CUDA refuses read-only registration (a device without cudaHostRegisterReadOnly), the
+    kept file is mapped again writable and shared and registered with flags 0, for the device the
+    load names; a mapping whose registration is refused both ways stays unregistered and usable, and
+    is not retried at every load; letting go unregisters what was registered. (CUDA itself is
+    replaced by a recorder here: on a CPU machine nothing can be registered.)"""
+    from qconvert import host_memory
+
+    calls: list[tuple] = []
+    refuse = {host_memory.READ_ONLY}
+
+    def register(ptr, nbytes, flags, device):
+        calls.append(("register", ptr, nbytes, flags, device))
+        return 801 if flags in refuse else 0  # 801: cudaErrorNotSupported
+
+    monkeypatch.setattr(host_memory, "register", register)
+    monkeypatch.setattr(host_memory, "unregister", lambda ptr, device: calls.append(("unregister", ptr, device)))
+    for _ in _refits(demo_moe, "fallback", 1):
+        pass
+    area = shm_root / "fallback"
+    view = fmt.read_area(area)
+    spec = view.files[0]
+    want = (view.directory / spec.name).read_bytes()
+    kept = vllm_staged.KeptMaps()
+    m = kept.get(view.directory, spec, pin=3)
+    (_, ro_ptr, n, f0, d0), (_, rw_ptr, n1, f1, d1) = calls
+    assert (n, f0, d0, n1, f1, d1) == (spec.size, host_memory.READ_ONLY, 3, spec.size, 0, 3)
+    assert m.pinned and m.base.data_ptr() == rw_ptr and bytes(m.base.numpy()) == want
+    assert "flags=8" in kept.pin_error and "801" in kept.pin_error
+    k = kept._maps[str(view.directory / spec.name)]
+    assert k.writable and k.pinned and k.device == 3
+    kept.get(view.directory, spec, pin=3)
+    assert len(calls) == 2  # registered once per mapping
+    assert kept.release() == 1 and calls[-1] == ("unregister", rw_ptr, 3)
+    # refused both ways: unregistered, still the file's bytes, one attempt
+    calls.clear()
+    refuse.add(0)
+    m = kept.get(view.directory, spec, pin=0)
+    assert not m.pinned and bytes(m.base.numpy()) == want and len(calls) == 2
+    kept.get(view.directory, spec, pin=0)
+    assert len(calls) == 2
+    assert kept.release() == 1 and len(calls) == 2  # nothing to unregister
+
+
+def test_host_registration_runs_on_a_thread_of_its_own(monkeypatch):
+    """A refused cudaHostRegister leaves CUDA's last error on the thread that called it, where torch
+    would raise it at its next kernel launch: qconvert.host_memory calls CUDA on a short thread of
+    its own, current on the caller's device, and hands back the error code (or the exception)."""
+    import threading
+
+    from qconvert import host_memory
+
+    seen: list = []
+
+    class Code:  # torch's cudart returns an enum value
+        def __init__(self, v):
+            self.value = v
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, n, flags):
+            seen.append(("register", threading.current_thread() is main, device[0], ptr, n, flags))
+            if flags == 99:
+                raise RuntimeError("boom")
+            return Code(801 if flags else 0)
+
+        def cudaHostUnregister(self, ptr):
+            seen.append(("unregister", threading.current_thread() is main, device[0], ptr))
+            return 0
+
+    main, device = threading.current_thread(), [None]
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: device.__setitem__(0, d))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    assert host_memory.register(4096, 8192, 0, 2) == 0
+    assert host_memory.register(4096, 8192, host_memory.READ_ONLY, 5) == 801
+    assert host_memory.unregister(4096, 2) == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        host_memory.register(1, 1, 99, 0)
+    assert seen[:3] == [
+        ("register", False, 2, 4096, 8192, 0),
+        ("register", False, 5, 4096, 8192, host_memory.READ_ONLY),
+        ("unregister", False, 2, 4096),
+    ]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatch):
     """On a CUDA model a refit area's files are kept mapped and registered with CUDA (read-only)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from qconvert import host_memory
 from qconvert.convert.checkpoint import INDEX_NAME as INDEX
 from qconvert.convert.safetensors_io import DTYPES, TORCH_TO_TAG, header_bytes, sha256_file
 from qconvert.errors import QConvertError
@@ -737,8 +738,10 @@ class SlotMaps:
     ``cuda`` registered with ``cudaHostRegister`` (page-locked, so device-to-host copies go straight
     in at full speed). Kept until :meth:`close`."""
 
-    def __init__(self, area: Path, spec: fs.AreaSpec, cuda: bool = False):
+    def __init__(self, area: Path, spec: fs.AreaSpec, cuda: bool = False, device: int | None = None):
         self.area, self.cuda = Path(area), cuda
+        # the CUDA device whose context registers the files (default: the current one)
+        self.device = (torch.cuda.current_device() if device is None else device) if cuda else -1
         self.sizes = {f.name: f.size for f in spec.files}
         self._maps: dict[tuple[int, str], tuple] = {}  # (slot, file) -> (mmap, uint8 tensor, registered)
 
@@ -770,13 +773,12 @@ class SlotMaps:
             t = torch.frombuffer(mm, dtype=torch.uint8)
             registered = False
             if self.cuda:
-                rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-                if int(getattr(rc, "value", rc)) != 0:
-                    torch.cuda.cudart().cudaGetLastError()  # clear it: CUDA reports it again at the next launch
+                rc = host_memory.register(t.data_ptr(), t.numel(), 0, self.device)
+                if rc != 0:
                     del t
                     mm.close()
                     raise StagingError(
-                        f"{p}: cudaHostRegister failed (error {int(getattr(rc, 'value', rc))}); the staging "
+                        f"{p}: cudaHostRegister failed (error {rc}); the staging "
                         "root must be on tmpfs (the default /dev/shm/qconvert; QCONVERT_SHM_ROOT) with a "
                         "locked-memory limit (ulimit -l) that covers the area, or stage with device='cpu'"
                     )
@@ -793,7 +795,7 @@ class SlotMaps:
         mms = []
         for mm, t, registered in maps.values():
             if registered:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                host_memory.unregister(t.data_ptr(), self.device)
             mms.append(mm)
         maps.clear()
         t = None  # noqa: F841 - the last tensor view of a mapping goes before the mapping closes

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from qconvert import host_memory
 from qconvert.errors import QConvertError
 from qconvert.formats.manifest import MANIFEST_NAME
 
@@ -145,8 +146,6 @@ def map_file(directory: Path, spec) -> MappedFile:
 #: Server environment variable: ``0`` maps a refit area's files afresh at every load of a GPU
 #: server too (no kept, registered mappings: :class:`KeptMaps`)
 KEEP_ENV = "QCONVERT_STAGED_KEEP_MAPS"
-#: ``cudaHostRegisterReadOnly`` (CUDA runtime API): page-lock memory the device only reads
-_CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
 @dataclass
@@ -157,6 +156,7 @@ class _Kept:
     pinned: bool
     writable: bool = False  # registered through a writable mapping (no read-only registration here)
     pin_tried: bool = False
+    device: int = 0  # the CUDA device whose context registered it
 
 
 class KeptMaps:
@@ -178,7 +178,9 @@ class KeptMaps:
     def __contains__(self, path: str) -> bool:
         return path in self._maps
 
-    def get(self, directory: Path, spec, pin: bool) -> MappedFile:
+    def get(self, directory: Path, spec, pin: int | None) -> MappedFile:
+        """The kept mapping of ``directory/spec.name`` (mapped now if new or replaced); ``pin``: the
+        CUDA device index to register it for (once per mapping), None for none."""
         path = Path(directory) / spec.name
         fd, st = _open_staged(path, spec)
         try:
@@ -192,15 +194,15 @@ class KeptMaps:
                 k = self._maps[str(path)] = _Kept(ident, mm, _readonly_bytes(mm), False)
         finally:
             os.close(fd)
-        if pin and not k.pin_tried:
-            k.pin_tried = True  # once per mapping: a refused registration is not retried at every load
+        if pin is not None and not k.pin_tried:
+            k.pin_tried, k.device = True, pin  # once per mapping: a refusal is not retried at every load
             self._pin(path, k)
         return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned)
 
     def _pin(self, path: Path, k: _Kept) -> None:
         """Register ``k`` read-only; where the platform refuses read-only registration, map the
         file again writable (shared) and register that (the worker still only reads it)."""
-        if self._register(k.base, _CUDA_HOST_REGISTER_READ_ONLY):
+        if self._register(k.base, host_memory.READ_ONLY, k.device):
             k.pinned = True
             return
         try:
@@ -215,7 +217,7 @@ class KeptMaps:
         finally:
             os.close(fd)
         base = torch.frombuffer(mm, dtype=torch.uint8)
-        if not self._register(base, 0):
+        if not self._register(base, 0, k.device):
             del base
             mm.close()
             return
@@ -226,12 +228,9 @@ class KeptMaps:
         except BufferError:
             pass
 
-    def _register(self, t: torch.Tensor, flags: int) -> bool:
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), flags)
-        rc = int(getattr(rc, "value", rc))
+    def _register(self, t: torch.Tensor, flags: int, device: int) -> bool:
+        rc = host_memory.register(t.data_ptr(), t.numel(), flags, device)
         if rc != 0:
-            cudart.cudaGetLastError()  # clear it: CUDA would report it again at the next launch
             self.pin_error = f"cudaHostRegister(flags={flags}) error {rc}"
             return False
         return True
@@ -239,7 +238,7 @@ class KeptMaps:
     def _drop(self, key: str) -> None:
         k = self._maps.pop(key)
         if k.pinned:
-            torch.cuda.cudart().cudaHostUnregister(k.base.data_ptr())
+            host_memory.unregister(k.base.data_ptr(), k.device)
         k.base = None  # type: ignore[assignment]
         try:
             k.mm.close()
@@ -292,7 +291,7 @@ def _kept_files(view, files: list, device: torch.device) -> list[MappedFile]:
 
     KEPT.prune()
     KEPT.pin_error = None
-    pin = device.type == "cuda"
+    pin = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
     got = [KEPT.get(view.directory, f, pin=pin) for f in files]
     other = fmt.slot_dir(view.root, 1 - view.slot)
     for f in files:

@@ -342,7 +342,7 @@ class Refitter:
         self.spec = fs.AreaSpec(contract, fs.DIGEST_XXH3_PIECES, tp, ep, tuple(files), tuple(sorted(extra_files)))
         self._open_area(headers, extra_files)
 
-        self._maps = staging.SlotMaps(self.area, self.spec, cuda=self._dev.type == "cuda")
+        self._maps = staging.SlotMaps(self.area, self.spec, cuda=self._cuda, device=self._dev.index)
         self._pool = ThreadPoolExecutor(
             hash_threads or min(16, os.cpu_count() or 1), thread_name_prefix="qconvert-refit-digest"
         )
