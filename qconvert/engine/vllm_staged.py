@@ -344,8 +344,8 @@ def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iter
     the mapping to the device (a host-to-device copy of pageable memory blocks the calling thread,
     so it runs beside the loader's Python) on its own stream, up to PREFETCH_CHUNKS ahead; the
     consumer's stream waits for a chunk's copy before its views are handed out. vLLM's per-tensor
-    copies are then device-to-device. Close the generator before unmapping ``maps``: that waits for
-    the copies in flight (docs/reload.md#vllm-staged-load)."""
+    copies are then device-to-device. Exhausting or closing the generator waits for every copy;
+    close it before unmapping ``maps`` or releasing the slot (docs/reload.md#vllm-staged-load)."""
     from collections import deque
 
     stream = torch.cuda.Stream(device)
@@ -380,8 +380,12 @@ def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iter
         for *_, fut in pending:  # the thread reads the mappings: nothing may unmap them before it stops
             fut.exception()
         pool.shutdown(wait=True)
-        if pending:  # closed early: no chunk buffer goes back to the allocator while its copy runs
-            stream.synchronize()
+        # Every copy done before the caller goes on, also after the last chunk: a copy from a
+        # registered mapping is asynchronous to the host (the loading stream only waits for it on
+        # the device), and once the load returns, the files may be unmapped or, for a kept refit
+        # area, released to the trainer, whose next refit overwrites those pages; closed early, no
+        # chunk buffer goes back to the allocator while its copy runs.
+        stream.synchronize()
 
 
 class StagedTensors:
