@@ -562,7 +562,7 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         # (kept: the area's files whole from the worker's kept, registered mappings; fresh: mapped
         # afresh and copied per tensor from pageable memory, the floor before the kept mappings)
         c0 = VllmClient(srv.url)
-        (rec["copy_floor"],) = c0.collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3)
+        (rec["copy_floor"],) = c0.collective_rpc("qconvert_copy_floor", area=str(r.area), repeat=3, keep_maps=True)
         (rec["copy_floor_fresh"],) = c0.collective_rpc(
             "qconvert_copy_floor", area=str(r.area), repeat=3, keep_maps=False
         )

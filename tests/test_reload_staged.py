@@ -565,9 +565,15 @@ def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
             assert mms.setdefault(key, k.mm) is k.mm, key  # mapped once, reused by later loads
     assert seen[0] != seen[2]  # slot 0 twice: the third refit's bytes, through the first load's mappings
     files = len(fmt.read_area(area).files)
-    # the default on a CPU server: mapped afresh, nothing kept
+    # the default on a CPU server: mapped afresh, nothing kept (on a GPU server too unless
+    # QCONVERT_STAGED_KEEP_MAPS=1: not yet run on a GPU)
     before = len(kept)
     assert _load(area)[0]["kept_maps"] is False and len(kept) == before
+    monkeypatch.delenv(vllm_staged.KEEP_ENV, raising=False)
+    assert vllm_staged.keep_maps_enabled() is False
+    for value, on in (("1", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv(vllm_staged.KEEP_ENV, value)
+        assert vllm_staged.keep_maps_enabled() is on, value
     # a file made again at the same path (new inode) is mapped again
     view = fmt.read_area(area)
     victim = view.directory / view.files[0].name
@@ -686,11 +692,13 @@ def test_host_registration_runs_on_a_thread_of_its_own(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatch):
-    """On a CUDA model a refit area's files are kept mapped and registered with CUDA (read-only)
-    by default: every load after a refit hands device tensors equal to the committed slot's files;
-    the copy floor is the kept files' copy; release lets every registration go."""
+    """On a CUDA model, with QCONVERT_STAGED_KEEP_MAPS=1, a refit area's files are kept mapped and
+    registered with CUDA (read-only, else writable): every load after a refit hands device tensors
+    equal to the committed slot's files; the copy floor is the kept files' copy; release lets every
+    registration go."""
     kept = vllm_staged.KeptMaps()
     monkeypatch.setattr(vllm_staged, "KEPT", kept)
+    monkeypatch.setenv(vllm_staged.KEEP_ENV, "1")
     model = torch.nn.Linear(1, 1, device="cuda")
     area = shm_root / "pinned"
     got: dict = {}
