@@ -774,18 +774,45 @@ static inline __m256i bf16_rne_nan_ffff_v(__m256 f) { /* bf16_rne_nan_ffff() lan
     return _mm256_or_si256(r, _mm256_and_si256(nan, I32(0xFFFF)));
 }
 
+/* The AVX2 loop looks every element up instead of computing it: an element's BF16 bits depend only
+ * on its code (16), its block's scale byte (256) and its row's per-tensor scale g. So for the row
+ * being converted, the 16 results of a scale byte are computed once, by the same lane arithmetic as
+ * above (the fp32 product e4m3 x g, times the E2M1 value, rounded), when a block first uses that
+ * byte, and kept as two byte planes (low and high bytes of the BF16 bits); a block is then two
+ * shuffles of those planes by its 16 codes. At most 256 x 16 results per row are computed. */
+static void nvfp4_lut_row(uint8_t sb, float g, uint8_t *restrict lo, uint8_t *restrict hi) {
+    const __m256 sc = _mm256_set1_ps(e4m3_value(sb) * g);
+    const __m256i c0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_add_epi32(c0, I32(8));
+    uint32_t r[16];
+    _mm256_storeu_si256((__m256i *)r, bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c0)), sc)));
+    _mm256_storeu_si256((__m256i *)(r + 8), bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c1)), sc)));
+    for (int i = 0; i < 16; i++) {
+        lo[i] = (uint8_t)r[i];
+        hi[i] = (uint8_t)(r[i] >> 8);
+    }
+}
+
 static void nvfp4_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restrict s, const float *restrict g,
                                int64_t bpr, int64_t b0, int64_t b1, uint16_t *restrict out) {
+    uint8_t lo[256][16], hi[256][16];
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t b = b0; b < b1; b++) {
-        const __m256 sc = _mm256_set1_ps(e4m3_value(s[b]) * g[b / bpr]);
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
-        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-        const __m256i c0 = _mm256_cvtepu8_epi32(codes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
-        const __m256i r0 = bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c0)), sc));
-        const __m256i r1 = bf16_rne_nan_ffff_v(_mm256_mul_ps(_mm256_castsi256_ps(e2m1_bits_v(c1)), sc));
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
-        _mm256_storeu_si256((__m256i *)(out + b * 16), packed);
+    for (int64_t b = b0; b < b1;) {
+        const int64_t row = b / bpr, end = (row + 1) * bpr < b1 ? (row + 1) * bpr : b1;
+        const float gr = g[row];
+        uint64_t made[4] = {0, 0, 0, 0};
+        for (; b < end; b++) {
+            const uint8_t sb = s[b];
+            if (!((made[sb >> 6] >> (sb & 63)) & 1u)) {
+                nvfp4_lut_row(sb, gr, lo[sb], hi[sb]);
+                made[sb >> 6] |= (uint64_t)1 << (sb & 63);
+            }
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
+            const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+            const __m128i l = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)lo[sb]), codes);
+            const __m128i h = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)hi[sb]), codes);
+            _mm_storeu_si128((__m128i *)(out + b * 16), _mm_unpacklo_epi8(l, h));
+            _mm_storeu_si128((__m128i *)(out + b * 16 + 8), _mm_unpackhi_epi8(l, h));
+        }
     }
 }
 #endif
