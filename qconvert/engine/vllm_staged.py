@@ -276,7 +276,7 @@ def _readonly_bytes(mm: mmap.mmap) -> torch.Tensor:
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter(action="ignore", category=UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
