@@ -778,8 +778,9 @@ static inline __m256i bf16_rne_nan_ffff_v(__m256 f) { /* bf16_rne_nan_ffff() lan
  * on its code (16), its block's scale byte (256) and its row's per-tensor scale g. So for the row
  * being converted, the 16 results of a scale byte are computed once, by the same lane arithmetic as
  * above (the fp32 product e4m3 x g, times the E2M1 value, rounded), when a block first uses that
- * byte, and kept as two byte planes (low and high bytes of the BF16 bits); a block is then two
- * shuffles of those planes by its 16 codes. At most 256 x 16 results per row are computed. */
+ * byte, and kept as two byte planes (low and high bytes of the BF16 bits), for as long as the rows
+ * have the same per-tensor scale bits (the plugin passes one per weight row, equal along an expert);
+ * a block is then two shuffles of those planes by its 16 codes. */
 static void nvfp4_lut_row(uint8_t sb, float g, uint8_t *restrict lo, uint8_t *restrict hi) {
     const __m256 sc = _mm256_set1_ps(e4m3_value(sb) * g);
     const __m256i c0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), c1 = _mm256_add_epi32(c0, I32(8));
@@ -795,11 +796,16 @@ static void nvfp4_lut_row(uint8_t sb, float g, uint8_t *restrict lo, uint8_t *re
 static void nvfp4_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restrict s, const float *restrict g,
                                int64_t bpr, int64_t b0, int64_t b1, uint16_t *restrict out) {
     uint8_t lo[256][16], hi[256][16];
+    uint64_t made[4] = {0, 0, 0, 0};
+    uint32_t made_for = 0; /* the bits of the per-tensor scale the tables were made for */
     const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int64_t b = b0; b < b1;) {
         const int64_t row = b / bpr, end = (row + 1) * bpr < b1 ? (row + 1) * bpr : b1;
         const float gr = g[row];
-        uint64_t made[4] = {0, 0, 0, 0};
+        if (b == b0 || f2u(gr) != made_for) { /* rows of one expert share g: their tables too */
+            made[0] = made[1] = made[2] = made[3] = 0;
+            made_for = f2u(gr);
+        }
         for (; b < end; b++) {
             const uint8_t sb = s[b];
             if (!((made[sb >> 6] >> (sb & 63)) & 1u)) {
