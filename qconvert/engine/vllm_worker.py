@@ -115,8 +115,10 @@ class WorkerExtension:
     ) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
-        forces vLLM's layerwise reload, a list of form names takes only those forms directly; ``device_chunks=False`` hands a GPU server host views;
-        ``keep_maps=False`` maps a refit area afresh instead of from the kept, registered mappings).
+        forces vLLM's layerwise reload, a list of form names takes only those forms directly);
+        ``device_chunks=False`` hands a GPU server host views; ``keep_maps`` (default: the server's
+        QCONVERT_STAGED_KEEP_MAPS, off unless ``1``) takes a refit area from the kept, registered
+        mappings instead of mapping it afresh.
         Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
         expensive functions of the load)."""
         from qconvert.engine.vllm_staged import load_staged_into_worker
