@@ -327,6 +327,16 @@ def test_a_native_build_whose_nvfp4_dequant_table_outlives_its_scale_falls_back(
     assert verdict == "same"
 
 
+def test_a_native_build_with_a_wrong_mxfp8_dequant_loop_falls_back(tmp_path):
+    """The self-check covers the AVX2 MXFP8 -> BF16 loop: a subnormal code's offset taken from the
+    wrong table entry is caught, and the -march=native build is rejected."""
+    if not cpu_kernels.avx2():
+        pytest.skip("no AVX2 loops on this CPU")
+    status, verdict = _run_mutated(tmp_path, "const int mm = m & 7,", "const int mm = (m + 1) & 7,")
+    assert status.startswith("compiled C, baseline ISA (") and "MXFP8 to BF16" in status, status
+    assert verdict == "same"
+
+
 def test_a_native_build_with_a_wrong_4over6_loop_falls_back_to_the_baseline_build(tmp_path):
     """The self-check covers the 4over6 AVX2 loop too: its error table decoded with 1535 instead of
     1536 picks the other candidate on some blocks, and the -march=native build is rejected."""

@@ -330,13 +330,13 @@ def test_client_hashes_the_area_only_with_verify(demo_dense, shm_root):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("path", ["c-kernel", "torch"])
+@pytest.mark.parametrize("path", ["avx2", "portable", "torch"])
 def test_cpu_plugin_mxfp8_dequant_equals_vllms(path, monkeypatch):
     """The CPU plugin's MXFP8 expert dequantization (run at every reload: the bulk of an MXFP8
     reload on CPU before, scripts/bench_reload.py) equals vLLM's own ``dequant_mxfp8_to_bf16`` bit
     for bit: every E4M3 code (NaN codes included) under every kind of scale (0, subnormal results,
-    1, large, 254 and the E8M0 NaN 255); through the C kernel and through the torch fallback
-    (no C compiler)."""
+    1, large, 254 and the E8M0 NaN 255); through the C kernel's AVX2 loop, its portable loops, and
+    the torch fallback (no C compiler)."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
@@ -346,6 +346,8 @@ def test_cpu_plugin_mxfp8_dequant_equals_vllms(path, monkeypatch):
         monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     else:
         assert cpu_kernels.library() is not None, cpu_kernels.status()
+        if path == "portable":
+            monkeypatch.setenv("QCONVERT_NO_AVX2", "1")
 
     from qconvert.engine.vllm_cpu_plugin import mxfp8_experts_to_bf16
 

@@ -727,8 +727,8 @@ static inline uint16_t mx8_bf16_exact(uint16_t c, uint16_t kk) {
     return mag == 0x7Fu ? (uint16_t)0xFFFFu : r;
 }
 
-void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
-                      uint16_t *restrict out) {
+static void mxfp8_to_bf16_portable(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
+                                   uint16_t *restrict out) {
     for (int64_t b = b0; b < b1; b++) {
         const uint32_t e = s[b];
         const uint8_t *restrict qb = q + b * 32;
@@ -741,6 +741,68 @@ void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int6
             for (int i = 0; i < 32; i++) ob[i] = bf16_rne_nan_ffff(e4m3_value(qb[i]) * sc);
         }
     }
+}
+
+#ifdef __AVX2__
+/* mx8_bf16_exact() for a whole block in AVX2, the codes kept as bytes as long as possible: masks
+ * (normal, zero, NaN) and the sign are byte compares, and a subnormal code's offset from kk, which
+ * depends only on its 3 mantissa bits, is looked up by byte shuffles of a 16-bit table split in
+ * low and high bytes; the bytes are then widened to 16-bit lanes (in-lane unpack: elements 0-7 and
+ * 16-23, then 8-15 and 24-31), kk added, and stored in element order. Scale bytes outside 10..246
+ * take the portable block. */
+static void mxfp8_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
+                               uint16_t *restrict out) {
+    uint8_t lo[16], hi[16];
+    for (int m = 0; m < 16; m++) { /* mx8_bf16_exact()'s subnormal result less kk, for m = 0..7 */
+        const int mm = m & 7, p = (mm >= 2) + (mm >= 4), mul = p == 0 ? 128 : p == 1 ? 64 : 32;
+        const uint16_t off = (uint16_t)((p << 7) - (2 << 7) + ((mm * mul) & 0x7F));
+        lo[m] = (uint8_t)off;
+        hi[m] = (uint8_t)(off >> 8);
+    }
+    const __m256i tlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo));
+    const __m256i thi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi));
+    const __m256i m7f = _mm256_set1_epi8(0x7F), m07 = _mm256_set1_epi8(7), zero = _mm256_setzero_si256();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint32_t e = s[b];
+        if (e < 10 || e > 246) {
+            mxfp8_to_bf16_portable(q, s, b, b + 1, out);
+            continue;
+        }
+        const __m256i kk = _mm256_set1_epi16((short)((e - 7u) << 7));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        const __m256i mag = _mm256_and_si256(c, m7f), m = _mm256_and_si256(c, m07);
+        const __m256i sl = _mm256_shuffle_epi8(tlo, m), sh = _mm256_shuffle_epi8(thi, m);
+        const __m256i normal = _mm256_cmpgt_epi8(mag, m07); /* mag <= 127: a signed compare is right */
+        const __m256i iszero = _mm256_cmpeq_epi8(mag, zero), isnan = _mm256_cmpeq_epi8(mag, m7f);
+        const __m256i sign = _mm256_and_si256(c, _mm256_set1_epi8((char)0x80));
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i mag16 = h ? _mm256_unpackhi_epi8(mag, zero) : _mm256_unpacklo_epi8(mag, zero);
+            const __m256i sub16 = h ? _mm256_unpackhi_epi8(sl, sh) : _mm256_unpacklo_epi8(sl, sh);
+            const __m256i nor16 = h ? _mm256_unpackhi_epi8(normal, normal) : _mm256_unpacklo_epi8(normal, normal);
+            const __m256i zer16 = h ? _mm256_unpackhi_epi8(iszero, iszero) : _mm256_unpacklo_epi8(iszero, iszero);
+            const __m256i nan16 = h ? _mm256_unpackhi_epi8(isnan, isnan) : _mm256_unpacklo_epi8(isnan, isnan);
+            const __m256i sgn16 = h ? _mm256_unpackhi_epi8(zero, sign) : _mm256_unpacklo_epi8(zero, sign);
+            __m256i v = _mm256_add_epi16(_mm256_blendv_epi8(sub16, _mm256_slli_epi16(mag16, 4), nor16), kk);
+            v = _mm256_andnot_si256(zer16, v);
+            r[h] = _mm256_or_si256(_mm256_or_si256(v, sgn16), nan16);
+        }
+        uint16_t *restrict ob = out + b * 32;
+        _mm256_storeu_si256((__m256i *)ob, _mm256_permute2x128_si256(r[0], r[1], 0x20));
+        _mm256_storeu_si256((__m256i *)(ob + 16), _mm256_permute2x128_si256(r[0], r[1], 0x31));
+    }
+}
+#endif
+
+void qc_mxfp8_to_bf16(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
+                      uint16_t *restrict out) {
+#ifdef __AVX2__
+    if (getenv("QCONVERT_NO_AVX2") == NULL) {
+        mxfp8_to_bf16_avx2(q, s, b0, b1, out);
+        return;
+    }
+#endif
+    mxfp8_to_bf16_portable(q, s, b0, b1, out);
 }
 
 /* NVFP4 to BF16: blocks [b0, b1) of 16 E2M1 codes (8 bytes in ``q``, the low nibble first) with one

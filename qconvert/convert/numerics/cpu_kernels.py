@@ -232,9 +232,11 @@ def _self_check(lib: ctypes.CDLL) -> str:
     q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).view(-1, 32)
     s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8)
     out = torch.empty(q.shape, dtype=torch.bfloat16)
-    lib.qc_mxfp8_to_bf16(q.data_ptr(), s.data_ptr(), 0, s.numel(), out.data_ptr())
-    if not torch.equal(out.view(torch.int16), mxfp8_to_bf16_reference(q, s).view(torch.int16)):
-        return "MXFP8 to BF16, every code and scale"
+    want = mxfp8_to_bf16_reference(q, s).view(torch.int16)
+    for path in _loop_paths():
+        lib.qc_mxfp8_to_bf16(q.data_ptr(), s.data_ptr(), 0, s.numel(), out.data_ptr())
+        if not torch.equal(out.view(torch.int16), want):
+            return f"MXFP8 to BF16, every code and scale, {path} loops"
     # NVFP4 -> BF16: every pair of codes under every scale byte, rows with their own global scales
     q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).view(-1, 8)
     s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(32)
