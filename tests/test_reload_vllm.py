@@ -254,7 +254,10 @@ def test_keep_reload_continues_requests_on_the_new_weights(served):
         threads = [threading.Thread(target=client, args=(k,)) for k in range(len(prompts))]
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        # a longer wait each round: on a loaded machine the requests were not yet scheduled after
+        # 0.05 s in any of 5 rounds (every request then ran on B alone); 0.8 s is still well
+        # inside the 200 tokens
+        time.sleep(0.05 * 2**i)
         res = reload_vllm([srv.url], served["b"], pause="keep", weight_version="K-new")
         for t in threads:
             t.join(300)
