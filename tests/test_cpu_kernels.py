@@ -316,32 +316,29 @@ def test_a_native_build_that_fails_the_self_check_falls_back_to_the_baseline_bui
     assert [p.name.endswith("-baseline.so") for p in (tmp_path / "cache").glob("*.so")] == [True]
 
 
-def test_a_native_build_whose_nvfp4_dequant_table_outlives_its_scale_falls_back(tmp_path):
-    """The self-check covers the AVX2 NVFP4 -> BF16 lookup: tables kept from one row's per-tensor
-    scale into a next row with another give wrong BF16 values, and the -march=native build is
-    rejected."""
+#: (source text, its mutation, what the self-check names): mutations of one AVX2 loop each, which
+#: the self-check must catch, rejecting the -march=native build for the baseline one
+AVX2_LOOP_MUTATIONS = {
+    # the 4over6 error table decoded with 1535 instead of 1536 picks the other candidate on some blocks
+    "nvfp4-4over6": ("_mm256_set1_ps(1536.0f)", "_mm256_set1_ps(1535.0f)", "NVFP4 4over6"),
+    # NVFP4 -> BF16 tables kept from one row's per-tensor scale into a next row with another
+    "nvfp4-dequant-table": ("if (b == b0 || f2u(gr) != made_for)", "if (b == b0)", "NVFP4 to BF16"),
+    # MXFP8 -> BF16: a subnormal code's offset taken from the wrong table entry
+    "mxfp8-dequant-table": (
+        "mx8_bf16_exact((uint16_t)(m & 7), 0)",
+        "mx8_bf16_exact((uint16_t)((m + 1) & 7), 0)",
+        "MXFP8 to BF16",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(AVX2_LOOP_MUTATIONS))
+def test_a_native_build_with_a_wrong_avx2_loop_falls_back_to_the_baseline_build(tmp_path, case):
+    """The self-check covers each AVX2 loop: a build with one mutated is rejected, the baseline
+    build runs, same bytes."""
     if not cpu_kernels.avx2():
         pytest.skip("no AVX2 loops on this CPU")
-    status, verdict = _run_mutated(tmp_path, "if (b == b0 || f2u(gr) != made_for)", "if (b == b0)")
-    assert status.startswith("compiled C, baseline ISA (") and "NVFP4 to BF16" in status, status
-    assert verdict == "same"
-
-
-def test_a_native_build_with_a_wrong_mxfp8_dequant_loop_falls_back(tmp_path):
-    """The self-check covers the AVX2 MXFP8 -> BF16 loop: a subnormal code's offset taken from the
-    wrong table entry is caught, and the -march=native build is rejected."""
-    if not cpu_kernels.avx2():
-        pytest.skip("no AVX2 loops on this CPU")
-    status, verdict = _run_mutated(tmp_path, "const int mm = m & 7,", "const int mm = (m + 1) & 7,")
-    assert status.startswith("compiled C, baseline ISA (") and "MXFP8 to BF16" in status, status
-    assert verdict == "same"
-
-
-def test_a_native_build_with_a_wrong_4over6_loop_falls_back_to_the_baseline_build(tmp_path):
-    """The self-check covers the 4over6 AVX2 loop too: its error table decoded with 1535 instead of
-    1536 picks the other candidate on some blocks, and the -march=native build is rejected."""
-    if not cpu_kernels.avx2():
-        pytest.skip("no AVX2 loops on this CPU")
-    status, verdict = _run_mutated(tmp_path, "_mm256_set1_ps(1536.0f)", "_mm256_set1_ps(1535.0f)")
-    assert status.startswith("compiled C, baseline ISA (") and "NVFP4 4over6" in status, status
+    old, new, named = AVX2_LOOP_MUTATIONS[case]
+    status, verdict = _run_mutated(tmp_path, old, new)
+    assert status.startswith("compiled C, baseline ISA (") and named in status, status
     assert verdict == "same"

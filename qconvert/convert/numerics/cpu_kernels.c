@@ -744,6 +744,11 @@ static void mxfp8_to_bf16_portable(const uint8_t *restrict q, const uint8_t *res
 }
 
 #ifdef __AVX2__
+/* The low (h = 0) or high (h = 1) in-lane byte interleave of a and b, as 16-bit lanes. */
+static inline __m256i unpack_epi8(int h, __m256i a, __m256i b) {
+    return h ? _mm256_unpackhi_epi8(a, b) : _mm256_unpacklo_epi8(a, b);
+}
+
 /* mx8_bf16_exact() for a whole block in AVX2, the codes kept as bytes as long as possible: masks
  * (normal, zero, NaN) and the sign are byte compares, and a subnormal code's offset from kk, which
  * depends only on its 3 mantissa bits, is looked up by byte shuffles of a 16-bit table split in
@@ -753,9 +758,8 @@ static void mxfp8_to_bf16_portable(const uint8_t *restrict q, const uint8_t *res
 static void mxfp8_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restrict s, int64_t b0, int64_t b1,
                                uint16_t *restrict out) {
     uint8_t lo[16], hi[16];
-    for (int m = 0; m < 16; m++) { /* mx8_bf16_exact()'s subnormal result less kk, for m = 0..7 */
-        const int mm = m & 7, p = (mm >= 2) + (mm >= 4), mul = p == 0 ? 128 : p == 1 ? 64 : 32;
-        const uint16_t off = (uint16_t)((p << 7) - (2 << 7) + ((mm * mul) & 0x7F));
+    for (int m = 0; m < 16; m++) { /* the subnormal code m & 7 with kk = 0 (entry 0: code 0, masked) */
+        const uint16_t off = mx8_bf16_exact((uint16_t)(m & 7), 0);
         lo[m] = (uint8_t)off;
         hi[m] = (uint8_t)(off >> 8);
     }
@@ -777,15 +781,11 @@ static void mxfp8_to_bf16_avx2(const uint8_t *restrict q, const uint8_t *restric
         const __m256i sign = _mm256_and_si256(c, _mm256_set1_epi8((char)0x80));
         __m256i r[2];
         for (int h = 0; h < 2; h++) {
-            const __m256i mag16 = h ? _mm256_unpackhi_epi8(mag, zero) : _mm256_unpacklo_epi8(mag, zero);
-            const __m256i sub16 = h ? _mm256_unpackhi_epi8(sl, sh) : _mm256_unpacklo_epi8(sl, sh);
-            const __m256i nor16 = h ? _mm256_unpackhi_epi8(normal, normal) : _mm256_unpacklo_epi8(normal, normal);
-            const __m256i zer16 = h ? _mm256_unpackhi_epi8(iszero, iszero) : _mm256_unpacklo_epi8(iszero, iszero);
-            const __m256i nan16 = h ? _mm256_unpackhi_epi8(isnan, isnan) : _mm256_unpacklo_epi8(isnan, isnan);
-            const __m256i sgn16 = h ? _mm256_unpackhi_epi8(zero, sign) : _mm256_unpacklo_epi8(zero, sign);
-            __m256i v = _mm256_add_epi16(_mm256_blendv_epi8(sub16, _mm256_slli_epi16(mag16, 4), nor16), kk);
-            v = _mm256_andnot_si256(zer16, v);
-            r[h] = _mm256_or_si256(_mm256_or_si256(v, sgn16), nan16);
+            const __m256i nor16 = _mm256_slli_epi16(unpack_epi8(h, mag, zero), 4);
+            __m256i v = _mm256_blendv_epi8(unpack_epi8(h, sl, sh), nor16, unpack_epi8(h, normal, normal));
+            v = _mm256_andnot_si256(unpack_epi8(h, iszero, iszero), _mm256_add_epi16(v, kk));
+            v = _mm256_or_si256(v, unpack_epi8(h, zero, sign));
+            r[h] = _mm256_or_si256(v, unpack_epi8(h, isnan, isnan));
         }
         uint16_t *restrict ob = out + b * 32;
         _mm256_storeu_si256((__m256i *)ob, _mm256_permute2x128_si256(r[0], r[1], 0x20));
