@@ -44,7 +44,7 @@ def main() -> None:
 
     import torch
 
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent)]  # bench_refit, and qconvert from this checkout
     from bench_refit import _sparse_reference, _weights
 
     from qconvert.convert.options import ConvertOptions

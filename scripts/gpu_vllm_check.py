@@ -47,8 +47,6 @@ from pathlib import Path
 import requests
 from vllm_server import VllmServer  # scripts/ is on sys.path when run as a script
 
-from qconvert.engine.vllm_direct import GPU_REPLAY_ENV  # the loader replay on a GPU server
-
 PROMPTS = ["The quick brown fox", "Once upon a time", "MXFP8 stores", "def add(a, b):"]
 MAX_TOKENS = 12
 FORMATS = ["mxfp8", "mxfp8-last1", "mxfp8-modelopt", "nvfp4"]
@@ -514,9 +512,9 @@ def st_online(rec, root: Path):
 
 def synthetic_checkpoints(rec, root: Path, layers: int) -> tuple[Path, Path, Path]:
     """The two BF16 sources (seeds 0 and 1) and their MXFP8-last1 conversions (on the GPU), made
-    once: a call that is stopped midway leaves no directory that looks finished."""
-    a_src = root / "synth-s0-bf16"
-    b_src = root / "synth-s1-bf16"
+    once per layer count: a call that is stopped midway leaves no directory that looks finished."""
+    a_src = root / f"synth{layers}-s0-bf16"
+    b_src = root / f"synth{layers}-s1-bf16"
     for d, seed in ((a_src, 0), (b_src, 1)):
         if not d.exists():
             tmp = d.with_name(d.name + ".partial")
@@ -527,19 +525,20 @@ def synthetic_checkpoints(rec, root: Path, layers: int) -> tuple[Path, Path, Pat
             )
             tmp.rename(d)
     t0 = time.perf_counter()
-    a = convert(a_src, root / "synth-s0-mxfp8", "mxfp8-last1", device="cuda")
+    a = convert(a_src, root / f"synth{layers}-s0-mxfp8", "mxfp8-last1", device="cuda")
     rec["convert_a_cuda_s"] = round(time.perf_counter() - t0, 2)
-    convert(b_src, root / "synth-s1-mxfp8", "mxfp8-last1", device="cuda")
+    convert(b_src, root / f"synth{layers}-s1-mxfp8", "mxfp8-last1", device="cuda")
     rec["checkpoint_gb"] = round(sum(f.stat().st_size for f in a.glob("*.safetensors")) / 1e9, 3)
-    return b_src, a, root / "synth-s1-mxfp8"
+    return b_src, a, root / f"synth{layers}-s1-mxfp8"
 
 
 @stage("synthetic")
 def st_synthetic(rec, root: Path, layers: int):
     b_src, a, b = synthetic_checkpoints(rec, root, layers)
     os.environ["QCONVERT_SHM_ROOT"] = str(Path("/dev/shm") / f"qconvert-{os.getpid()}")
-    # the loader replay on (docs/reload.md#loader-replay): refits after the first replay vLLM's loader calls
-    srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"], env={GPU_REPLAY_ENV: "1"})
+    # the server's defaults: the loader replay (docs/reload.md#loader-replay) and the kept mappings
+    # (docs/reload.md#kept-mappings) on; the A/B records below turn each off for single loads
+    srv = Server(a, OUT / "server-synth.log", extra=["--skip-tokenizer-init"])
     try:
         rec["server_start_s"] = round(srv.start_s, 1)
         if not REFIT_ONLY:  # the publisher's paths: `qconvert stage` + reload, and reload from disk

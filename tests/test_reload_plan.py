@@ -102,25 +102,34 @@ def test_recording_refused(extra, why):
     assert plan is None and got == why
 
 
-def test_direct_load_is_cpu_only():
-    """A model whose parameters are not on the CPU (a GPU server) reloads layerwise, decided before
-    any vLLM-version-specific form check runs (docs/reload.md#vllm-direct-load)."""
-    from qconvert.engine.vllm_direct import Why, choose
+def test_direct_load_is_cpu_only(monkeypatch):
+    """A model whose parameters are not on the CPU (a GPU server) reloads every module layerwise,
+    decided before any vLLM-version-specific form check runs (docs/reload.md#vllm-direct-load)."""
+    from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Form, Why, choose
 
     on_meta = torch.nn.Linear(4, 4, device="meta")
+    monkeypatch.setenv(GPU_REPLAY_ENV, "0")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
+    assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
+    monkeypatch.delenv(GPU_REPLAY_ENV)
+    assert choose(on_meta, enabled=True, layout=None) == ({on_meta: (Form.LAYERWISE, Why.NOT_CPU)}, None)
     assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
 
 
-def test_gpu_server_replays_the_loader_calls_only_when_turned_on(monkeypatch):
-    """With QCONVERT_GPU_LOADER_REPLAY=1 a GPU server's load takes the direct load for the loader
-    replay alone: every module layerwise (docs/reload.md#loader-replay)."""
+def test_gpu_server_replays_the_loader_calls_unless_turned_off(monkeypatch):
+    """By default (and with QCONVERT_GPU_LOADER_REPLAY=1) a GPU server's load takes the direct load
+    for the loader replay alone: every module layerwise (docs/reload.md#loader-replay); ``0``
+    turns it off."""
     from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Form, Why, choose
 
     on_meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.ReLU())
-    monkeypatch.setenv(GPU_REPLAY_ENV, "1")
-    forms, why = choose(on_meta, enabled=True, layout=None)
-    assert why is None and forms == {on_meta[0]: (Form.LAYERWISE, Why.NOT_CPU)}
+    for value in (None, "1"):
+        if value is None:
+            monkeypatch.delenv(GPU_REPLAY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(GPU_REPLAY_ENV, value)
+        forms, why = choose(on_meta, enabled=True, layout=None)
+        assert why is None and forms == {on_meta[0]: (Form.LAYERWISE, Why.NOT_CPU)}, value
     assert choose(on_meta, enabled=True, layout={"x": 1}) == (None, Why.PRESHUFFLED)
     monkeypatch.setenv(GPU_REPLAY_ENV, "0")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)

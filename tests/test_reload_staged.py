@@ -567,13 +567,13 @@ def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
             assert mms.setdefault(key, k.mm) is k.mm, key  # mapped once, reused by later loads
     assert seen[0] != seen[2]  # slot 0 twice: the third refit's bytes, through the first load's mappings
     files = len(fmt.read_area(area).files)
-    # the default on a CPU server: mapped afresh, nothing kept (on a GPU server too unless
-    # QCONVERT_STAGED_KEEP_MAPS=1: not yet run on a GPU)
+    # the default on a CPU server: mapped afresh, nothing kept (a GPU server keeps them unless
+    # QCONVERT_STAGED_KEEP_MAPS=0)
     before = len(kept)
     assert _load(area)[0]["kept_maps"] is False and len(kept) == before
     monkeypatch.delenv(vllm_staged.KEEP_ENV, raising=False)
-    assert vllm_staged.keep_maps_enabled() is False
-    for value, on in (("1", True), ("0", False), ("yes", False)):
+    assert vllm_staged.keep_maps_enabled() is True
+    for value, on in (("1", True), ("0", False), ("yes", True)):
         monkeypatch.setenv(vllm_staged.KEEP_ENV, value)
         assert vllm_staged.keep_maps_enabled() is on, value
     # a file made again at the same path (new inode) is mapped again
@@ -694,13 +694,13 @@ def test_host_registration_runs_on_a_thread_of_its_own(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatch):
-    """On a CUDA model, with QCONVERT_STAGED_KEEP_MAPS=1, a refit area's files are kept mapped and
-    registered with CUDA (read-only, else writable): every load after a refit hands device tensors
-    equal to the committed slot's files; the copy floor is the kept files' copy; release lets every
-    registration go."""
+    """On a CUDA model, by default (QCONVERT_STAGED_KEEP_MAPS unset), a refit area's files are kept
+    mapped and registered with CUDA (read-only, else writable): every load after a refit hands
+    device tensors equal to the committed slot's files; the copy floor is the kept files' copy;
+    release lets every registration go; ``0`` maps afresh."""
     kept = vllm_staged.KeptMaps()
     monkeypatch.setattr(vllm_staged, "KEPT", kept)
-    monkeypatch.setenv(vllm_staged.KEEP_ENV, "1")
+    monkeypatch.delenv(vllm_staged.KEEP_ENV, raising=False)
     model = torch.nn.Linear(1, 1, device="cuda")
     area = shm_root / "pinned"
     got: dict = {}
@@ -722,6 +722,11 @@ def test_cuda_server_keeps_refit_areas_registered(demo_moe, shm_root, monkeypatc
     fl = vllm_staged.copy_floor(model, area, repeat=2)
     assert fl["kind"] == "kept-files" and fl["pinned_files"] == files
     assert kept.release() == 2 * files and len(kept) == 0
+    monkeypatch.setenv(vllm_staged.KEEP_ENV, "0")
+    got.clear()
+    stats = vllm_staged.load_staged(model, area, reload_weights)
+    assert stats["kept_maps"] is False and stats["pinned_files"] == 0 and len(kept) == 0, stats
+    assert all(torch.equal(_bytes(got[n].cpu()), _bytes(t)) for n, t in want.items())
 
 
 def test_sglang_reads_a_refit_area_from_its_committed_slot(demo_dense, shm_root):

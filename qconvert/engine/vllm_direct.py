@@ -566,7 +566,7 @@ def choose(
     vLLM's layerwise reload (``enabled`` False: turned off, or a LoRA server). A model without a
     direct module still takes the direct load for its loader plan (vllm_replay). On a GPU server
     every module is layerwise (:data:`Why.NOT_CPU`: the direct forms were established on vLLM's CPU
-    backend), and the load is the loader plan's only where :func:`gpu_replay_enabled`. ``forms``:
+    backend), and the load is the loader plan's unless :func:`gpu_replay_enabled` says it is off. ``forms``:
     the only forms to take (:func:`plan`), all when None."""
     if not enabled:
         return None, Why.DISABLED
@@ -579,12 +579,13 @@ def choose(
     return plan(model, forms), None
 
 
-#: Server environment variable: ``1`` replays the recorded loader calls on a GPU server too
-#: (docs/reload.md#loader-replay; the default there until it has been held to vLLM on a GPU)
+#: Server environment variable: ``0`` turns off the replay of the recorded loader calls on a GPU
+#: server (docs/reload.md#loader-replay; on by default since it was held to vLLM's layerwise reload
+#: on a GPU)
 GPU_REPLAY_ENV = "QCONVERT_GPU_LOADER_REPLAY"
 
 
 def gpu_replay_enabled() -> bool:
     import os
 
-    return os.environ.get(GPU_REPLAY_ENV, "0") == "1"
+    return os.environ.get(GPU_REPLAY_ENV, "1") != "0"

@@ -143,9 +143,9 @@ def map_file(directory: Path, spec) -> MappedFile:
     return MappedFile(spec.name, path, mm, base, spec)
 
 
-#: Server environment variable: ``1`` makes a GPU server keep a refit area's files mapped and
-#: registered between loads (:class:`KeptMaps`); off by default until it has run on a GPU
-#: (docs/reload.md#kept-mappings): every load then maps the files afresh
+#: Server environment variable: a GPU server keeps a refit area's files mapped and registered
+#: between loads (:class:`KeptMaps`) unless it is ``0`` (docs/reload.md#kept-mappings): every load
+#: then maps the files afresh
 KEEP_ENV = "QCONVERT_STAGED_KEEP_MAPS"
 
 
@@ -305,8 +305,9 @@ def _kept_files(view, files: list, device: torch.device) -> list[MappedFile]:
 
 
 def keep_maps_enabled() -> bool:
-    """Whether this server keeps refit areas' mappings by default (``QCONVERT_STAGED_KEEP_MAPS=1``)."""
-    return os.environ.get(KEEP_ENV, "0") == "1"
+    """Whether a GPU server keeps refit areas' mappings by default: yes unless
+    ``QCONVERT_STAGED_KEEP_MAPS=0`` (docs/reload.md#kept-mappings)."""
+    return os.environ.get(KEEP_ENV, "1") != "0"
 
 
 def iter_tensors(maps: list[MappedFile]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -585,7 +586,7 @@ def load_staged(
     cumulative time: scripts/bench_reload.py). ``device_chunks`` (default: on unless
     DEVICE_CHUNKS_ENV is ``0``) copies a GPU server's files to the device in chunks first
     (:func:`iter_tensors_to_device`); ``device_chunks`` in the result says whether it did.
-    ``keep_maps`` (default: on for a refit area loaded by a GPU server where KEEP_ENV is ``1``)
+    ``keep_maps`` (default: on for a refit area loaded by a GPU server unless KEEP_ENV is ``0``)
     takes the files from :data:`KEPT` (mapped once, registered with CUDA on a GPU server) instead
     of mapping them afresh; ``kept_maps`` and ``pinned_files`` in the result say what ran."""
     from qconvert.formats import staging as fmt

@@ -117,7 +117,7 @@ class WorkerExtension:
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
         forces vLLM's layerwise reload, a list of form names takes only those forms directly);
         ``device_chunks=False`` hands a GPU server host views; ``keep_maps`` (default: the server's
-        QCONVERT_STAGED_KEEP_MAPS, off unless ``1``) takes a refit area from the kept, registered
+        QCONVERT_STAGED_KEEP_MAPS, on a GPU server unless ``0``) takes a refit area from the kept, registered
         mappings instead of mapping it afresh.
         Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
         expensive functions of the load)."""
