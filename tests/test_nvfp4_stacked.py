@@ -101,7 +101,7 @@ def test_stacked_equals_per_tensor_cuda(recipe, quantizer):
         # 128 experts of [96, 128] as a refit stacks them: blocks of neighbouring items share a program
         x = _stack(seed, n=128, rows=96, k=128)
         _check(x.cuda(), _amax(x, group).cuda(), recipe, stacked_fn=fn)
-        x = _stack(seed, n=3, rows=5, k=48)  # items of 15 blocks: not a multiple of a program
+        x = _stack(seed, n=4, rows=5, k=48)  # items of 15 blocks: not a multiple of a program
         _check(x.cuda(), _amax(x, group).cuda(), recipe, stacked_fn=fn)
 
 
