@@ -104,15 +104,13 @@ def test_recording_refused(extra, why):
 
 def test_direct_load_is_cpu_only(monkeypatch):
     """A model whose parameters are not on the CPU (a GPU server) reloads every module layerwise,
-    decided before any vLLM-version-specific form check runs (docs/reload.md#vllm-direct-load)."""
-    from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Form, Why, choose
+    decided before any vLLM-version-specific form check runs (docs/reload.md#vllm-direct-load);
+    with the loader replay on, the default, see the next test."""
+    from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Why, choose
 
     on_meta = torch.nn.Linear(4, 4, device="meta")
     monkeypatch.setenv(GPU_REPLAY_ENV, "0")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
-    assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
-    monkeypatch.delenv(GPU_REPLAY_ENV)
-    assert choose(on_meta, enabled=True, layout=None) == ({on_meta: (Form.LAYERWISE, Why.NOT_CPU)}, None)
     assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
 
 
@@ -123,13 +121,12 @@ def test_gpu_server_replays_the_loader_calls_unless_turned_off(monkeypatch):
     from qconvert.engine.vllm_direct import GPU_REPLAY_ENV, Form, Why, choose
 
     on_meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.ReLU())
-    for value in (None, "1"):
-        if value is None:
-            monkeypatch.delenv(GPU_REPLAY_ENV, raising=False)
-        else:
-            monkeypatch.setenv(GPU_REPLAY_ENV, value)
-        forms, why = choose(on_meta, enabled=True, layout=None)
-        assert why is None and forms == {on_meta[0]: (Form.LAYERWISE, Why.NOT_CPU)}, value
+    every_module_layerwise = ({on_meta[0]: (Form.LAYERWISE, Why.NOT_CPU)}, None)
+    monkeypatch.delenv(GPU_REPLAY_ENV, raising=False)
+    assert choose(on_meta, enabled=True, layout=None) == every_module_layerwise
+    assert choose(on_meta, enabled=False, layout=None) == (None, Why.DISABLED)
+    monkeypatch.setenv(GPU_REPLAY_ENV, "1")
+    assert choose(on_meta, enabled=True, layout=None) == every_module_layerwise
     assert choose(on_meta, enabled=True, layout={"x": 1}) == (None, Why.PRESHUFFLED)
     monkeypatch.setenv(GPU_REPLAY_ENV, "0")
     assert choose(on_meta, enabled=True, layout=None) == (None, Why.NOT_CPU)
