@@ -595,6 +595,7 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             "plan",
             "replay",
             "modules",
+            "marlin",
         )
         ab = rec.setdefault("replay_ab", [])
         for i in range(3):
@@ -609,6 +610,22 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         rec["replay_equals_layerwise"] = d["True"] == d["False"]
         rec["tensors_compared"] = len(d["True"])
         log("replay leaves the served tensors of vLLM's layerwise reload:", rec["replay_equals_layerwise"])
+        save()
+        # vLLM's MXFP8 MoE Marlin preparation as learnt byte gathers (docs/reload.md#marlin-gather)
+        # against vLLM's per-expert loop, alternating; the first pair also compares every served
+        # tensor's digest
+        mg = rec.setdefault("marlin_ab", [])
+        for i in range(3):
+            for on in (False, True):
+                st = paused_load(marlin_gather=on)
+                mg.append({"marlin_gather": on, **{k: st.get(k) for k in keys}})
+                if i == 0:
+                    (digest,) = c.collective_rpc("qconvert_weights_digest")
+                    rec.setdefault("digests", {})[str(on)] = digest
+                log("marlin gather A/B", mg[-1])
+        d = rec.pop("digests")
+        rec["marlin_gather_equals_vllm"] = d["True"] == d["False"]
+        log("the Marlin gather leaves the served tensors of vLLM's preparation:", rec["marlin_gather_equals_vllm"])
         save()
         # the kept, registered mappings (docs/reload.md#kept-mappings) against mapping afresh,
         # alternating, both with the server's default load path

@@ -26,9 +26,11 @@ The mappings are released before the call returns; the result says whether every
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from qconvert import host_memory
+from qconvert.engine import vllm_marlin
 from qconvert.errors import QConvertError
 from qconvert.formats.manifest import MANIFEST_NAME
 
@@ -574,6 +577,7 @@ def load_staged(
     device_chunks: bool | None = None,
     keep_maps: bool | None = None,
     direct_forms: frozenset | None = None,
+    marlin_gather: bool | None = None,
 ) -> dict:
     """Load the committed content of the staging area at ``area`` into ``model``.
 
@@ -588,7 +592,10 @@ def load_staged(
     (:func:`iter_tensors_to_device`); ``device_chunks`` in the result says whether it did.
     ``keep_maps`` (default: on for a refit area loaded by a GPU server unless KEEP_ENV is ``0``)
     takes the files from :data:`KEPT` (mapped once, registered with CUDA on a GPU server) instead
-    of mapping them afresh; ``kept_maps`` and ``pinned_files`` in the result say what ran."""
+    of mapping them afresh; ``kept_maps`` and ``pinned_files`` in the result say what ran.
+    ``marlin_gather`` (default: on for a GPU server unless ``vllm_marlin.ENV`` is ``0``) runs vLLM's
+    MXFP8 MoE Marlin preparation as one byte gather per tensor (qconvert/engine/vllm_marlin.py);
+    ``marlin`` in the result counts its calls."""
     from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
@@ -655,10 +662,15 @@ def load_staged(
 
                         extra.update(load_preshuffled_entries(model, str(root), layout, maps, reload_weights))
 
-            if profile:
-                extra["profile"] = _profiled(run, int(profile))
-            else:
-                run()
+            gathered = device.type == "cuda" and (marlin_gather if marlin_gather is not None else vllm_marlin.enabled())
+            with vllm_marlin.patched() if gathered else contextlib.nullcontext() as g:
+                since = Counter(g.counts) if g is not None else None
+                if profile:
+                    extra["profile"] = _profiled(run, int(profile))
+                else:
+                    run()
+                if g is not None:
+                    extra["marlin"] = g.summary(since)
             t_load = time.perf_counter()
             stats = {
                 "format": view.format,
@@ -767,12 +779,13 @@ def load_staged_into_worker(
     direct: bool | list | None = None,
     device_chunks: bool | None = None,
     keep_maps: bool | None = None,
+    marlin_gather: bool | None = None,
 ) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
     (default: the server's ``QCONVERT_DIRECT_RELOAD``, on when unset) allows the direct in-place
     load where it is exact (qconvert/engine/vllm_direct.py): True for every form, False for none,
     or a list of form names (``vllm_direct.Form`` values), the others then reloading layerwise;
-    ``device_chunks``, ``keep_maps``: see :func:`load_staged`."""
+    ``device_chunks``, ``keep_maps``, ``marlin_gather``: see :func:`load_staged`."""
     from qconvert.engine import vllm_direct
 
     runner = worker.model_runner
@@ -807,4 +820,5 @@ def load_staged_into_worker(
         device_chunks=device_chunks,
         keep_maps=keep_maps,
         direct_forms=forms,
+        marlin_gather=marlin_gather,
     )
