@@ -145,6 +145,7 @@ def test_replay_leaves_what_the_layerwise_reload_leaves(device):
         model, oracle = Toy(), Toy()
     plan, why = _record(model, Staged(0, device))
     assert why is None and [len(m.calls) for m in plan.modules] == [2, 2]
+    assert all(c.order is not None for m in plan.modules for c in m.calls)  # replayed by the fast binding
     _layerwise(oracle, iter(Staged(0, device)))
     assert _served(model).keys() == _served(oracle).keys()
     for seed in (1, 2):  # each replay loads new bytes: equal to vLLM's own reload of them
@@ -236,3 +237,50 @@ def test_direct_load_without_direct_modules_replays(device):
         got, want = _served(model), _served(oracle)
         assert all(torch.equal(got[k], want[k]) for k in want), seed
     assert outcomes == [("recorded", "recorded", 0), ("replayed", "replayed", 2), ("replayed", "replayed", 2)]
+
+
+def _loader_a(param, loaded_weight, shard_id=None, *, expert_id=0, return_success=False):
+    pass
+
+
+def _loader_b(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+    pass
+
+
+def _loader_var(param, loaded_weight, *rest, **extra):
+    pass
+
+
+@pytest.mark.parametrize(
+    "loader, bound",
+    [
+        (_loader_a, {"loaded_weight": 1, "shard_id": "w1", "expert_id": 3}),
+        (_loader_a, {"loaded_weight": 1, "expert_id": 3}),  # shard_id left to its default: expert_id by keyword
+        (_loader_a, {"loaded_weight": 1, "return_success": True}),
+        (_loader_b, {"loaded_weight": 1, "weight_name": "w", "shard_id": "w3", "expert_id": 7}),
+        (_loader_b, {"loaded_weight": 1, "weight_name": "w", "shard_id": "w2", "expert_id": 0, "return_success": True}),
+    ],
+)
+def test_replayed_arguments_are_what_inspect_gives(loader, bound):
+    """A replayed call's ``args``/``kwargs``, in an order computed once, equal inspect's own for the same binding."""
+    import inspect
+
+    sig = inspect.signature(loader)
+    order = vllm_replay.arg_order(sig, ["param", *bound])
+    assert order is not None
+    args = dict(bound, param="P")
+    fast = vllm_replay._Bound(sig, dict(args))
+    fast.order = order
+    want = inspect.BoundArguments(sig, dict(args))
+    assert fast.args == want.args and fast.kwargs == want.kwargs
+    # as vLLM does: the parameter set after binding, then the call
+    fast.arguments["param"] = want.arguments["param"] = "Q"
+    assert (fast.args, fast.kwargs) == (want.args, want.kwargs)
+
+
+def test_var_arguments_keep_inspects_properties():
+    import inspect
+
+    sig = inspect.signature(_loader_var)
+    assert vllm_replay.arg_order(sig, ["param", "loaded_weight", "rest"]) is None
+    assert vllm_replay.arg_order(sig, ["param", "loaded_weight"]) == (("param", "loaded_weight"), ())

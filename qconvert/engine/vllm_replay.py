@@ -58,21 +58,67 @@ class Call:
     """One buffered ``weight_loader`` call of a module: ``param`` is the parameter it fills,
     ``arguments`` the bound arguments with the parameter and the staged tensors left out, and
     ``tensors`` each staged argument as (argument, staged tensor, dtype, sizes, strides, offset in
-    elements of that dtype from the staged tensor's first byte)."""
+    elements of that dtype from the staged tensor's first byte); ``order`` the bound names as
+    ``args`` and ``kwargs`` give them once vLLM has set ``param`` (:func:`arg_order`; None:
+    inspect's own properties)."""
 
     param: str
     signature: inspect.Signature
     arguments: tuple[tuple[str, object], ...]
     tensors: tuple[tuple[str, str, torch.dtype, tuple, tuple, int], ...]
+    order: tuple | None = None
 
     def bind(self, got: dict[str, torch.Tensor]) -> inspect.BoundArguments:
         args = dict(self.arguments)
         for arg, name, dtype, size, stride, offset in self.tensors:
-            base = got[name].reshape(-1)
+            t = got[name]
+            if not offset and t.dtype == dtype and t.shape == size and t.stride() == stride:
+                args[arg] = t  # the whole staged tensor, as recorded (an expert's weight): no new view
+                continue
+            base = t.reshape(-1)
             if base.dtype != dtype:
                 base = base.view(torch.uint8).view(dtype)
             args[arg] = torch.as_strided(base, size, stride, base.storage_offset() + offset)
-        return inspect.BoundArguments(self.signature, args)
+        if self.order is None:
+            return inspect.BoundArguments(self.signature, args)
+        bound = _Bound(self.signature, args)
+        bound.order = self.order
+        return bound
+
+
+def arg_order(signature: inspect.Signature, names) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """Which of ``names`` ``BoundArguments.args`` and ``.kwargs`` give, in order: the same for every
+    replay of a call, so computed once, by inspect's own properties on markers; None where a
+    ``*args``/``**kwargs`` is among them."""
+    params = signature.parameters
+    if any(params[n].kind in (params[n].VAR_POSITIONAL, params[n].VAR_KEYWORD) for n in names if n in params):
+        return None
+    ba = inspect.BoundArguments(signature, {n: _Mark(n) for n in names})
+    return tuple(m.name for m in ba.args), tuple(ba.kwargs)
+
+
+class _Mark:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _Bound(inspect.BoundArguments):
+    """``inspect.BoundArguments`` whose ``args``/``kwargs`` follow an order computed once by inspect
+    itself (:func:`arg_order`) instead of walking the signature at every call."""
+
+    __slots__ = ("order",)
+
+    @property
+    def args(self) -> tuple:
+        a = self.arguments
+        return tuple(a[n] for n in self.order[0])
+
+    @property
+    def kwargs(self) -> dict:
+        a = self.arguments
+        return {n: a[n] for n in self.order[1]}
 
 
 @dataclass
@@ -219,7 +265,9 @@ class _Recorder:
                 else:
                     self.refused = "loader-argument-not-plain"
                     return
-            calls.append(Call(pname, ba.signature, tuple(plain), tuple(tensors)))
+            names_bound = ["param", *(a for a, _ in plain), *(t[0] for t in tensors)]
+            order = arg_order(ba.signature, names_bound)
+            calls.append(Call(pname, ba.signature, tuple(plain), tuple(tensors), order))
         if not calls:
             return
         self.captured.add(id(layer))

@@ -61,6 +61,7 @@ class MappedFile:
     typed: dict | None = None  # dtype -> the mapping as that dtype (whole elements), made on first use
     kept: bool = False  # a mapping of :class:`KeptMaps`: outlives the load, close() leaves it mapped
     pinned: bool = False  # registered with CUDA (page-locked): host-to-device copies at full speed
+    views: dict | None = None  # name -> (dtype, shape, strides, offset, nbytes), made on first use
 
     def whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The mapping as a 1-D tensor of ``dtype`` (its whole elements), storage offset 0."""
@@ -76,21 +77,28 @@ class MappedFile:
         """The file's tensor names in data-offset order."""
         return sorted(self.spec.tensors, key=lambda n: self.spec.tensors[n].offset)
 
+    def view_table(self) -> dict:
+        """Per tensor name: (torch dtype, shape, contiguous strides, offset, bytes), from the spec once."""
+        if self.views is None:
+            from qconvert.convert.safetensors_io import DTYPES
+
+            self.views = {
+                n: (DTYPES[t.dtype][0], tuple(t.shape), _contiguous_strides(t.shape), t.offset, t.nbytes)
+                for n, t in self.spec.tensors.items()
+            }
+        return self.views
+
     def tensor(self, tname: str, start: int = 0) -> torch.Tensor:
         """The view of ``tname``; ``base`` holds the file's bytes from ``start`` on (a device chunk)."""
-        from qconvert.convert.safetensors_io import DTYPES
-
-        t = self.spec.tensors[tname]
-        dtype = DTYPES[t.dtype][0]
-        nbytes = t.nbytes
+        dtype, shape, strides, offset, nbytes = self.view_table()[tname]
         if not nbytes:
-            return torch.empty(t.shape, dtype=dtype, device=self.base.device)
+            return torch.empty(shape, dtype=dtype, device=self.base.device)
         size = dtype.itemsize
-        off = t.offset - start
+        off = offset - start
         if off % size:
-            return self.base[off : off + nbytes].view(dtype).reshape(t.shape)
+            return self.base[off : off + nbytes].view(dtype).reshape(shape)
         # one view op per tensor (a slice, a dtype view and a reshape cost 3x as much per tensor)
-        return torch.as_strided(self.whole(dtype), t.shape, _contiguous_strides(t.shape), off // size)
+        return torch.as_strided(self.whole(dtype), shape, strides, off // size)
 
     def close(self) -> bool:
         """Drop the mapping; False when a tensor still refers to it (it is then unmapped when the last goes).
@@ -332,15 +340,16 @@ def _chunks(m: MappedFile) -> list[tuple[int, int, list[str]]]:
     """(start, end, names): runs of whole tensors of ``m`` in offset order, each spanning at most
     CHUNK_BYTES (or one larger tensor)."""
     out: list[tuple[int, int, list[str]]] = []
+    table = m.view_table()
     for n in m.names():
-        t = m.spec.tensors[n]
-        end = t.offset + t.nbytes
+        *_, offset, nbytes = table[n]
+        end = offset + nbytes
         if out and end - out[-1][0] <= CHUNK_BYTES:
             start, _, names = out[-1]
             names.append(n)
             out[-1] = (start, end, names)
         else:
-            out.append((t.offset, end, [n]))
+            out.append((offset, end, [n]))
     return out
 
 
@@ -370,7 +379,7 @@ def iter_tensors_to_device(maps: list[MappedFile], device: torch.device) -> Iter
         if todo:
             m, (a, b, names) = todo.popleft()
             buf = torch.empty(b - a, dtype=torch.uint8, device=device)  # on the consumer's stream
-            view = MappedFile(m.name, m.path, m.mm, buf, m.spec)
+            view = MappedFile(m.name, m.path, m.mm, buf, m.spec, views=m.view_table())
             pending.append((view, a, names, pool.submit(fetch, m.base[a:b], buf, m.pinned)))
 
     try:
