@@ -175,3 +175,24 @@ def test_patched_replaces_and_restores_vllms_function():
             assert inner is None
         raise RuntimeError
     assert m8.prepare_mxfp8_moe_layer_for_marlin is original
+
+
+def test_a_function_that_refuses_a_probe_is_left_alone():
+    """Where vLLM's function raises while learning (never on its own inputs here), each call is vLLM's."""
+    ins = tuple(torch.randint(0, 256, (3, 4, 8), dtype=torch.uint8) for _ in range(4))
+
+    def fn(layer, *xs):
+        if xs[0].shape[0] == 1:
+            raise ValueError("one expert")
+        return tuple(x.flip(-1) for x in xs)
+
+    g = vllm_marlin.MarlinGather()
+    got = g.wrap(fn)(None, *ins)
+    assert [torch.equal(a, b) for a, b in zip(got, fn(None, *ins))] == [True] * 4
+    assert g.summary() == {"gathered": 0, "vllm": 1, "learned": 0, "mismatch": 0, "refused": ["error:ValueError"]}
+
+
+def test_indices_are_int32():
+    perms, why = vllm_marlin.learn_permutations(lambda t: (t.flip(-1),), [torch.empty(1, 300, dtype=torch.uint8)])
+    assert why is None and perms[0].dtype == torch.int32
+    assert perms[0].tolist() == list(range(299, -1, -1))

@@ -71,7 +71,7 @@ def learn_permutations(
             return None, f"range:{k}"
         if not torch.equal(torch.sort(p).values, torch.arange(n, device=p.device)):
             return None, f"bijection:{k}"
-        perms.append(p)
+        perms.append(p.to(torch.int32) if n < 2**31 else p)  # half the index memory
     return perms, None
 
 
@@ -128,7 +128,11 @@ class MarlinGather:
                 return original(layer, *ins)
             key = self._key(ins)
             if key not in self.plans:
-                self.plans[key] = self._learn(original, layer, ins)
+                try:
+                    self.plans[key] = self._learn(original, layer, ins)
+                except Exception as e:  # vLLM's function refused a probe: the calls are left to it
+                    self.plans[key] = None
+                    self.refused[key] = f"error:{type(e).__name__}"
             plan = self.plans[key]
             if plan is None:
                 self.counts["vllm"] += 1
