@@ -597,45 +597,33 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             "modules",
             "marlin",
         )
-        ab = rec.setdefault("replay_ab", [])
-        for i in range(3):
-            for direct in (False, True):
-                st = paused_load(direct=direct)
-                ab.append({"direct": direct, **{k: st.get(k) for k in keys}})
-                if i == 0:
-                    (digest,) = c.collective_rpc("qconvert_weights_digest")
-                    rec.setdefault("digests", {})[str(direct)] = digest
-                log("replay A/B", ab[-1])
-        d = rec.pop("digests")
+
+        def alternate(label: str, arg: str, digests: bool) -> dict[str, list]:
+            """Three loads each with ``arg`` False and True, alternating; with ``digests`` every
+            served tensor's digest after the first of each (as {"False": ..., "True": ...})."""
+            runs, got = rec.setdefault(f"{label}_ab", []), {}
+            for i in range(3):
+                for on in (False, True):
+                    st = paused_load(**{arg: on})
+                    runs.append({arg: on, **{k: st.get(k) for k in keys}})
+                    if digests and i == 0:
+                        (got[str(on)],) = c.collective_rpc("qconvert_weights_digest")
+                    log(f"{label} A/B", runs[-1])
+            save()
+            return got
+
+        d = alternate("replay", "direct", digests=True)
         rec["replay_equals_layerwise"] = d["True"] == d["False"]
         rec["tensors_compared"] = len(d["True"])
         log("replay leaves the served tensors of vLLM's layerwise reload:", rec["replay_equals_layerwise"])
-        save()
         # vLLM's MXFP8 MoE Marlin preparation as learnt byte gathers (docs/reload.md#marlin-gather)
-        # against vLLM's per-expert loop, alternating; the first pair also compares every served
-        # tensor's digest
-        mg = rec.setdefault("marlin_ab", [])
-        for i in range(3):
-            for on in (False, True):
-                st = paused_load(marlin_gather=on)
-                mg.append({"marlin_gather": on, **{k: st.get(k) for k in keys}})
-                if i == 0:
-                    (digest,) = c.collective_rpc("qconvert_weights_digest")
-                    rec.setdefault("digests", {})[str(on)] = digest
-                log("marlin gather A/B", mg[-1])
-        d = rec.pop("digests")
+        # against vLLM's per-expert loop; the first pair also compares every served tensor's digest
+        d = alternate("marlin", "marlin_gather", digests=True)
         rec["marlin_gather_equals_vllm"] = d["True"] == d["False"]
         log("the Marlin gather leaves the served tensors of vLLM's preparation:", rec["marlin_gather_equals_vllm"])
-        save()
-        # the kept, registered mappings (docs/reload.md#kept-mappings) against mapping afresh,
-        # alternating, both with the server's default load path
-        km = rec.setdefault("keep_maps_ab", [])
-        for _ in range(3):
-            for keep in (False, True):
-                st = paused_load(keep_maps=keep)
-                km.append({k: st.get(k) for k in keys})
-                log("kept maps A/B", km[-1])
-        save()
+        # the kept, registered mappings (docs/reload.md#kept-mappings) against mapping afresh, both
+        # with the server's default load path
+        alternate("keep_maps", "keep_maps", digests=False)
         if PROFILE:  # where a GPU server's load spends its time (cProfile in the worker)
             rec["profiled_load"] = paused_load(profile=PROFILE)
             save()

@@ -90,24 +90,26 @@ class MarlinGather:
         self.refused: dict[tuple, str] = {}
         self.counts: Counter = Counter()
 
-    def _learn(self, original, layer, ins: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _learn(self, original, layer, ins: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor] | None, str | None]:
+        """(the permutations, None), or (None, why not)."""
         like = [torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in ins]
-        perms, why = learn_permutations(lambda *a: original(layer, *a), like)
-        if perms is None:
-            self.refused[self._key(ins)] = why
-            return None
-        # held once more on random bytes that include every byte value
-        probe = []
-        for t in like:
-            b = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, device=t.device)
-            b[: min(256, b.numel())] = torch.arange(min(256, b.numel()), dtype=torch.uint8, device=t.device)
-            probe.append(b.view(t.dtype).view(t.shape))
-        want = original(layer, *probe)
+        try:
+            perms, why = learn_permutations(lambda *a: original(layer, *a), like)
+            if perms is None:
+                return None, why
+            # held once more on random bytes that include every byte value
+            probe = []
+            for t in like:
+                b = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, device=t.device)
+                b[: min(256, b.numel())] = torch.arange(min(256, b.numel()), dtype=torch.uint8, device=t.device)
+                probe.append(b.view(t.dtype).view(t.shape))
+            want = original(layer, *probe)
+        except Exception as err:  # vLLM's function refused a probe: the calls are left to it
+            return None, f"error:{type(err).__name__}"
         if not all(torch.equal(_bytes(gather(t, p, w)), _bytes(w)) for t, p, w in zip(probe, perms, want)):
-            self.refused[self._key(ins)] = "check"
-            return None
+            return None, "check"
         self.counts["learned"] += 1
-        return perms
+        return perms, None
 
     @staticmethod
     def _key(ins: Sequence[torch.Tensor]) -> tuple:
@@ -128,11 +130,9 @@ class MarlinGather:
                 return original(layer, *ins)
             key = self._key(ins)
             if key not in self.plans:
-                try:
-                    self.plans[key] = self._learn(original, layer, ins)
-                except Exception as e:  # vLLM's function refused a probe: the calls are left to it
-                    self.plans[key] = None
-                    self.refused[key] = f"error:{type(e).__name__}"
+                self.plans[key], why = self._learn(original, layer, ins)
+                if why is not None:
+                    self.refused[key] = why
             plan = self.plans[key]
             if plan is None:
                 self.counts["vllm"] += 1

@@ -30,7 +30,6 @@ import contextlib
 import mmap
 import os
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -673,7 +672,7 @@ def load_staged(
 
             gathered = device.type == "cuda" and (marlin_gather if marlin_gather is not None else vllm_marlin.enabled())
             with vllm_marlin.patched() if gathered else contextlib.nullcontext() as g:
-                since = Counter(g.counts) if g is not None else None
+                since = g.counts.copy() if g is not None else None
                 if profile:
                     extra["profile"] = _profiled(run, int(profile))
                 else:
