@@ -596,6 +596,7 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             "replay",
             "modules",
             "marlin",
+            "copies_refused",
         )
 
         def alternate(label: str, arg: str, digests: bool) -> dict[str, list]:
@@ -621,6 +622,11 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
         d = alternate("marlin", "marlin_gather", digests=True)
         rec["marlin_gather_equals_vllm"] = d["True"] == d["False"]
         log("the Marlin gather leaves the served tensors of vLLM's preparation:", rec["marlin_gather_equals_vllm"])
+        # the replayed modules' loader calls made as their recorded copies (docs/reload.md#loader-copies)
+        # against the calls themselves; the first pair also compares every served tensor's digest
+        d = alternate("copies", "loader_copies", digests=True)
+        rec["loader_copies_equal_calls"] = d["True"] == d["False"]
+        log("the loader copies leave the served tensors of vLLM's loaders:", rec["loader_copies_equal_calls"])
         # the kept, registered mappings (docs/reload.md#kept-mappings) against mapping afresh, both
         # with the server's default load path
         alternate("keep_maps", "keep_maps", digests=False)

@@ -122,7 +122,7 @@ def _replay(model, plan, staged) -> int:
     )
 
     initialize_layerwise_reload(model)
-    others, n = plan.replay(iter(staged))
+    others, n, _ = plan.replay(iter(staged))
     model.load_weights(others)
     finalize_layerwise_reload(model, None)
     return n

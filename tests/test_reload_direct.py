@@ -252,6 +252,10 @@ def test_nvfp4_experts_direct_and_replayed_equal_layerwise(tmp_path, monkeypatch
         assert "cpu-nvfp4-moe" not in mods and mods["layerwise:form-disabled"] >= 2, mods  # the MoE layers
         # the MoE layers are among the replayed modules (every layerwise module with loaded tensors)
         assert mods["replayed-modules"] >= mods["layerwise:form-disabled"] + mods["layerwise:quant-method-transforms"]
+        # and the MoE layers' per-expert loader calls made as their recorded copies, batched
+        # (docs/reload.md#loader-copies); the recording says why any module keeps its calls
+        assert mods["copied-modules"] >= mods["layerwise:form-disabled"], (mods, got[0].get("copies_refused"))
+        print("copies:", mods["copied-modules"], "of", mods["replayed-modules"], got[0].get("copies_refused"))
         assert served() == want["a"]
         load("b", no_nvfp4)
         assert served() == want["b"]

@@ -479,7 +479,7 @@ def _plan_key(layout: tuple, direct: list[torch.nn.Module], forms: dict) -> tupl
     return (layout, tuple((id(m), forms[m][0]) for m in direct), _served_signature(forms, direct))
 
 
-def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> dict:
+def load_direct(model: torch.nn.Module, model_config, staged, forms: dict, copies: bool | None = None) -> dict:
     """One pass of ``model.load_weights`` over ``staged`` (vllm_staged.StagedTensors, or any
     iterable of (name, tensor)): modules of a direct form receive their tensors in their served
     storage (:func:`_targets`), the rest through vLLM's layerwise reload; then each direct form's
@@ -487,8 +487,10 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     :data:`Form.CPU_MXFP8_LINEAR`: :func:`refresh_mxfp8_linear`). A ``staged`` with a ``layout``
     gets the :class:`CopyPlan` and the layerwise modules' loader plan (vllm_replay): recorded by
     the first load of a layout, replayed by the next. Returns the module counts (:func:`summary`),
-    the tensors the copy plan copied, the modules whose loader calls were replayed, ``plan`` and
-    ``replay`` (what happened to each plan)."""
+    the tensors the copy plan copied, the modules whose loader calls were replayed (and of them,
+    made as their recorded copies: ``copies``, default :func:`vllm_replay.copies_enabled`),
+    ``plan`` and ``replay`` (what happened to each plan; ``copies_refused``: why recorded modules
+    keep their loader calls, at a recording)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -501,7 +503,9 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
     layout = getattr(staged, "layout", None)
     key = _plan_key(layout, direct, forms) if layout is not None else None
     known = _PLANS.get(model)
-    outcome, replay, planned, replayed = "off", "off", 0, 0
+    outcome, replay, planned, replayed, copied = "off", "off", 0, 0, 0
+    copies = vllm_replay.copies_enabled() if copies is None else bool(copies)
+    copies_refused = None
     with torch.no_grad(), ExitStack() as stack:
         with _direct_modules(forms, direct):
             initialize_layerwise_reload(model)
@@ -512,7 +516,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 rest = staged.others(known.copies)
                 loaders = vllm_replay.known(model, key)
                 if loaders is not None:
-                    rest, replayed = loaders.replay(rest)
+                    rest, replayed, copied = loaders.replay(rest, copies)
                     replay = vllm_replay.REPLAY_REPLAYED
                 model.load_weights(rest)
                 outcome = PLAN_REPLAYED
@@ -520,7 +524,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
                 _PLANS.pop(model, None)
                 vllm_replay.keep(model, None)
                 index = vllm_replay.StagedIndex()  # one index of the staged tensors for both recorders
-                lrec = stack.enter_context(vllm_replay.recording(model, index))
+                lrec = stack.enter_context(vllm_replay.recording(model, index, copies))
                 if direct:
                     got, refused = record_plan(_served(forms, direct), staged, model.load_weights, key, index)
                 else:  # nothing to copy directly (a GPU server): no dispatch mode over the load
@@ -542,6 +546,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
             loaders, refused = lrec.plan(key, pending, set(_PLANS[model].copies))
             vllm_replay.keep(model, loaders)
             replay = vllm_replay.REPLAY_RECORDED if loaders is not None else f"refused:{refused}"
+            copies_refused = dict(lrec.copies_refused)
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
@@ -554,8 +559,10 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict) -> di
         DEFERRED_KEY: deferred,
         PLANNED_KEY: planned,
         vllm_replay.REPLAYED_KEY: replayed,
+        vllm_replay.COPIED_KEY: copied,
         "plan": outcome,
         "replay": replay,
+        **({"copies_refused": copies_refused} if copies_refused is not None else {}),
     }
 
 

@@ -23,6 +23,14 @@ A replay keeps that last part, vLLM's own function, and skips the rest (docs/rel
   ``_layerwise_process`` on it: the same loaders with the same arguments, the same processing,
   the same copies into the served tensors. Tensors outside the plan still go through
   ``load_weights``.
+* **Copies.** Where a recorded module's loaders did nothing to tensors but copy staged views into
+  the module's parameters (an MoE layer's per-expert ``weight_loader``: a narrow of the expert's
+  slice and one ``copy_``), the recording also notes each copy (a dispatch mode around each loader
+  call), and a replay hands ``_layerwise_process`` one call per parameter that makes those copies
+  instead of calling the loaders, the copies of one shape batched into one ``index_copy_`` per
+  parameter and staged buffer (:class:`CopyPlan`, docs/reload.md#loader-copies). A module whose
+  loaders wrote a parameter otherwise (a fill, a computed value, copies that overlap) or read a
+  staged tensor otherwise keeps its loader calls.
 """
 
 from __future__ import annotations
@@ -41,7 +49,20 @@ REPLAY_REPLAYED = "replayed"
 #: key of the module counts: modules whose loader calls this load replayed
 REPLAYED_KEY = "replayed-modules"
 
+#: key of the module counts: replayed modules whose loader calls were made as their recorded copies
+COPIED_KEY = "copied-modules"
+#: Server environment variable: ``0`` turns the loader copies off (replays then call vLLM's loaders)
+COPIES_ENV = "QCONVERT_LOADER_COPIES"
+
 _PLAIN = (str, int, float, bool, type(None))
+#: an integer dtype of each element size: batched copies move bytes, never values (NaN payloads kept)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copies_enabled() -> bool:
+    import os
+
+    return os.environ.get(COPIES_ENV, "1") != "0"
 
 
 def _plain(v) -> bool:
@@ -121,11 +142,74 @@ class _Bound(inspect.BoundArguments):
         return {n: a[n] for n in self.order[1]}
 
 
+class CopyBatch:
+    """Copies of one shape into one parameter from staged tensors lying a fixed step apart in one
+    staged buffer, made as one ``index_copy_`` (one ``copy_`` where ``rows`` is None: the sources
+    fill the destination view's rows in order).
+
+    ``names``: the staged tensors in buffer order; ``deltas``: each one's byte distance from the
+    first, checked at every replay; ``dtype``: how the copies viewed the staged bytes; ``src``:
+    (sizes, strides, offset in elements of ``dtype`` from the first staged tensor's start) of one
+    source, ``step``: elements between consecutive sources; ``dst``: (sizes, strides, offset) of the
+    destination view in the parameter's elements, its first dimension the rows; ``rows``: the row
+    of each source."""
+
+    def __init__(self, names, deltas, dtype, src, step, dst, rows):
+        self.names, self.deltas, self.dtype = tuple(names), tuple(deltas), dtype
+        self.src, self.step, self.dst = src, step, dst
+        self.rows = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+        self._rows_on: dict = {}
+
+    def apply(self, got: dict[str, torch.Tensor], param: torch.Tensor) -> None:
+        first = got[self.names[0]]
+        base = first.reshape(-1)
+        if base.dtype != self.dtype:
+            base = base.view(torch.uint8).view(self.dtype)
+        (ssize, sstride, soff), (dsize, dstride, doff) = self.src, self.dst
+        target = param.data
+        same = target.dtype == self.dtype
+        if same:  # bytes, not values
+            base, target = base.view(_BITS[base.element_size()]), target.view(_BITS[target.element_size()])
+        dst = torch.as_strided(target, dsize, dstride, target.storage_offset() + doff)
+        p0 = first.data_ptr()
+        if len(self.names) > 1 and any(got[n].data_ptr() - p0 != d for n, d in zip(self.names, self.deltas)):
+            # not where the recording had them (cannot happen for the same layout): one copy each
+            rows = range(len(self.names)) if self.rows is None else self.rows.tolist()
+            for n, r in zip(self.names, rows):
+                b = got[n].reshape(-1)
+                b = b.view(torch.uint8).view(self.dtype) if b.dtype != self.dtype else b
+                b = b.view(_BITS[b.element_size()]) if same else b
+                dst[r].copy_(torch.as_strided(b, ssize[1:], sstride[1:], b.storage_offset() + soff))
+            return
+        src = torch.as_strided(base, ssize, sstride, base.storage_offset() + soff)
+        if self.rows is None:
+            dst.copy_(src)
+            return
+        rows = self._rows_on.get(dst.device)
+        if rows is None:
+            rows = self._rows_on[dst.device] = self.rows.to(dst.device)
+        dst.index_copy_(0, rows, src)
+
+
+def _apply_copies(param, work) -> None:
+    """The loader :func:`LoaderPlan.replay` hands ``_layerwise_process`` for a module with copies:
+    ``work`` is (the batches into ``param``, the load's staged tensors)."""
+    batches, got = work
+    for b in batches:
+        b.apply(got, param)
+
+
+_APPLY_SIGNATURE = inspect.signature(_apply_copies)
+
+
 @dataclass
 class ModuleCalls:
     module: weakref.ref
     calls: list[Call]
     names: frozenset[str]
+    #: per parameter of the calls (in their order), the batches of copies the loaders made; None
+    #: where the loaders did anything else (the calls are then replayed)
+    copies: dict[str, tuple[CopyBatch, ...]] | None = None
 
 
 class LoaderPlan:
@@ -136,35 +220,68 @@ class LoaderPlan:
         self.modules = modules
         self.of_name = {n: i for i, mc in enumerate(modules) for n in mc.names}
 
-    def replay(self, weights) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    def replay(self, weights, copies: bool = True) -> tuple[list[tuple[str, torch.Tensor]], int, int]:
         """Run each recorded module's calls through vLLM's ``_layerwise_process`` as soon as its
-        staged tensors have come out of ``weights``; returns the other (name, tensor) pairs (for
-        ``load_weights``) and the number of modules replayed."""
+        staged tensors have come out of ``weights`` (with ``copies``, a module's recorded copies
+        in place of its loader calls where it has them); returns the other (name, tensor) pairs
+        (for ``load_weights``), the number of modules replayed and how many of them by copies."""
         from vllm.model_executor.model_loader.reload import layerwise
 
         others: list[tuple[str, torch.Tensor]] = []
         pending: dict[int, dict[str, torch.Tensor]] = {}
-        done = 0
-        for name, t in weights:
-            i = self.of_name.get(name)
-            if i is None:
-                others.append((name, t))
-                continue
-            got = pending.setdefault(i, {})
-            got[name] = t
-            mc = self.modules[i]
-            if len(got) == len(mc.names):
-                del pending[i]
-                layer = mc.module()
-                if layer is None:
-                    raise RuntimeError("a module of the recorded loader plan is gone")
-                info = layerwise.get_layerwise_info(layer)
-                info.loaded_weights = [(c.param, c.bind(got)) for c in mc.calls]
-                layerwise._layerwise_process(layer, info)
-                done += 1
+        done = copied = 0
+        with _loaders_replaced(layerwise) as use_copies:
+            for name, t in weights:
+                i = self.of_name.get(name)
+                if i is None:
+                    others.append((name, t))
+                    continue
+                got = pending.setdefault(i, {})
+                got[name] = t
+                mc = self.modules[i]
+                if len(got) == len(mc.names):
+                    del pending[i]
+                    layer = mc.module()
+                    if layer is None:
+                        raise RuntimeError("a module of the recorded loader plan is gone")
+                    info = layerwise.get_layerwise_info(layer)
+                    if copies and mc.copies is not None:
+                        # one call per parameter, as vLLM's loop makes them: _apply_copies
+                        info.loaded_weights = [
+                            (p, inspect.BoundArguments(_APPLY_SIGNATURE, {"work": (b, got)}))
+                            for p, b in mc.copies.items()
+                        ]
+                        use_copies[0] = True
+                        try:
+                            layerwise._layerwise_process(layer, info)
+                        finally:
+                            use_copies[0] = False
+                        copied += 1
+                    else:
+                        info.loaded_weights = [(c.param, c.bind(got)) for c in mc.calls]
+                        layerwise._layerwise_process(layer, info)
+                    done += 1
         if pending:  # the key holds every tensor name: only a changed area can get here
             raise RuntimeError("the staged tensors of a recorded module did not all arrive")
-        return others, done
+        return others, done, copied
+
+
+@contextmanager
+def _loaders_replaced(layerwise):
+    """While the yielded flag ``[0]`` is set, ``_layerwise_process`` unwraps every parameter's
+    loader to :func:`_apply_copies` (its loop sets ``param.weight_loader =
+    _get_original_loader(param)`` after materializing the layer, then calls it)."""
+    saved = layerwise._get_original_loader
+    flag = [False]
+
+    def original_loader(tensor):
+        return _apply_copies if flag[0] else saved(tensor)
+
+    layerwise._get_original_loader = original_loader
+    try:
+        yield flag
+    finally:
+        layerwise._get_original_loader = saved
 
 
 class StagedIndex:
@@ -206,6 +323,205 @@ class StagedIndex:
         return (name, dtype, starts[i], end) if at < end else None
 
 
+def _span(sizes, strides) -> int:
+    """Elements from a view's first element to one past its last."""
+    return 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else 0
+
+
+class _CopyCapture:
+    """Dispatch mode around each loader call of one module's ``_layerwise_process`` (the recording
+    load): notes every ``copy_`` from a staged view into one of the module's tensors; anything else
+    that writes a module tensor or reads a staged tensor is the reason the module keeps its calls."""
+
+    def __init__(self, index: StagedIndex, layer: torch.nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.index, self.layer = index, layer
+        self.tensors: dict[tuple, tuple[str, torch.Tensor]] | None = None  # storage -> (name, tensor)
+        #: (parameter, (sizes, strides, offset), staged tensor, dtype, (sizes, strides, offset in
+        #: elements from its start), its storage, its first byte)
+        self.copies: list[tuple] = []
+        self.refused: str | None = None
+        cap = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                cap.see(func, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def wrap(self, original_loader):
+        """vLLM's ``_get_original_loader`` with each loader it gives run under the mode."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        def get(tensor):
+            fn = original_loader(tensor)
+
+            def loader(*args, **kwargs):
+                if self.tensors is None:  # the layer is materialized by now
+                    self.tensors = {
+                        storage_key(t): (n, t) for n, t in layerwise.get_layer_tensors(self.layer).items() if t.nbytes
+                    }
+                with self.mode:
+                    return fn(*args, **kwargs)
+
+            return loader
+
+        return get
+
+    def _staged(self, t) -> tuple | None:
+        """(staged tensor, offset in elements from its start, its storage, its first byte) of ``t``
+        lying wholly in one staged tensor at a whole element; False where ``t`` only starts in
+        one; None where it starts in none."""
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return None
+        got = self.index.find(t)
+        if got is None:
+            return None
+        name, _, start, end = got
+        at = t.storage_offset() * t.element_size()
+        if (
+            t.numel() == 0
+            or at + _span(t.shape, t.stride()) * t.element_size() > end
+            or (at - start) % t.element_size()
+        ):
+            return False
+        return name, (at - start) // t.element_size(), storage_key(t), start
+
+    def see(self, func, args, kwargs) -> None:
+        import torch.utils._pytree as pytree
+
+        if self.refused is not None:
+            return
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            hit = self.tensors.get(storage_key(dst))
+            got = self._staged(src)
+            if hit is None:
+                if got is not None:
+                    self.refused = "staged-tensor-copied-elsewhere"
+                return
+            pname, p = hit
+            if not got:
+                self.refused = "parameter-written-not-from-a-staged-view"
+            elif dst.dtype != p.dtype:
+                self.refused = "parameter-written-as-another-dtype"
+            else:
+                name, rel, key, start = got
+                geo = (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset() - p.storage_offset())
+                self.copies.append(
+                    (pname, geo, name, src.dtype, (tuple(src.shape), tuple(src.stride()), rel), key, start)
+                )
+            return
+        if func.is_view:
+            return
+        leaves = [t for t in pytree.arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
+        if any(self._staged(t) is not None for t in leaves):
+            self.refused = "staged-tensor-read-otherwise"
+            return
+        written = [
+            a
+            for a, arg in zip(args, func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
+        ]
+        written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
+        if any(storage_key(t) in self.tensors for t in written if t.nbytes):
+            self.refused = "parameter-written-otherwise"
+
+    def batches(self, params: list[str]) -> tuple[dict[str, tuple[CopyBatch, ...]] | None, str | None]:
+        """The copies as :class:`CopyBatch` es per parameter of the calls (each once, in order), or
+        (None, the reason the module keeps its calls)."""
+        if self.refused is not None:
+            return None, self.refused
+        if not self.copies:
+            return None, "loaders-copied-nothing"
+        order = list(dict.fromkeys(params))
+        dtype_of = {n: t.dtype for n, t in (self.tensors or {}).values()}
+        by_param: dict[str, list[tuple]] = {p: [] for p in order}
+        for c in self.copies:
+            if c[0] not in by_param:
+                return None, "copy-into-another-parameter"
+            by_param[c[0]].append(c)
+        out = {}
+        for p, cs in by_param.items():
+            extents = sorted((g[2], g[2] + _span(g[0], g[1])) for _, g, *_ in cs)
+            if any(b[0] < a[1] for a, b in zip(extents, extents[1:])):
+                return None, "loader-copies-overlap"
+            out[p] = tuple(_batch(cs, dtype_of[p]))
+        return out, None
+
+
+def _one(name: str, dtype, src: tuple, dst: tuple) -> CopyBatch:
+    """One copy as a batch of one row."""
+    (ssize, sstride, soff), (dsize, dstride, doff) = src, dst
+    return CopyBatch(
+        [name], [0], dtype, ((1, *ssize), (0, *sstride), soff), 0, ((1, *dsize), (0, *dstride), doff), None
+    )
+
+
+def _progressions(members: list[tuple], item: int, most: int = 8) -> list[list[tuple]]:
+    """``members`` (sorted by their staged tensor's first byte, ``[2]``) as runs each a fixed step
+    apart (a multiple of ``item`` bytes): every k-th member for the smallest k up to ``most`` that
+    makes each such run a progression (an expert's gate and up shards alternate in a checkpoint's
+    order: k = 2), else the longest runs in order."""
+
+    def steady(run) -> bool:
+        steps = {b[2] - a[2] for a, b in zip(run, run[1:])}
+        return len(steps) <= 1 and all(st % item == 0 for st in steps)
+
+    for k in range(1, min(most, len(members)) + 1):
+        runs = [members[i::k] for i in range(k)]
+        if all(steady(r) for r in runs):
+            return runs
+    runs, run = [], [members[0]]
+    for m in members[1:]:
+        step = m[2] - run[-1][2]
+        if step % item == 0 and (len(run) == 1 or step == run[1][2] - run[0][2]):
+            run.append(m)
+        else:
+            runs.append(run)
+            run = [m]
+    return [*runs, run]
+
+
+def _batch(copies: list[tuple], param_dtype: torch.dtype):
+    """:class:`CopyBatch` es of one parameter's copies (disjoint destinations, so any order): those
+    of one destination shape, source view and staged buffer, their staged tensors a fixed step
+    apart in it, go together; a copy that converts dtypes goes alone, as recorded."""
+    import math
+
+    buckets: dict[tuple, list[tuple]] = {}
+    for _, dst, name, dtype, src, key, start in copies:
+        if dtype != param_dtype:
+            yield _one(name, dtype, src, dst)
+            continue
+        buckets.setdefault((dst[0], dst[1], dtype, src, key), []).append((dst[2], name, start))
+    for (dsize, dstride, dtype, (ssize, sstride, soff), _), members in buckets.items():
+        members.sort(key=lambda m: m[2])
+        runs = _progressions(members, dtype.itemsize)
+        span = _span(dsize, dstride)
+        for run in runs:
+            offs = [m[0] for m in run]
+            low = min(offs)
+            step = math.gcd(*(o - low for o in offs))
+            if step and step < span:  # rows of one strided destination would overlap: one each
+                for doff, name, _ in run:
+                    yield _one(name, dtype, (ssize, sstride, soff), (dsize, dstride, doff))
+                continue
+            rows = [(o - low) // step if step else 0 for o in offs]
+            sstep = (run[1][2] - run[0][2]) // dtype.itemsize if len(run) > 1 else 0
+            yield CopyBatch(
+                [m[1] for m in run],
+                [m[2] - run[0][2] for m in run],
+                dtype,
+                ((len(run), *ssize), (sstep, *sstride), soff),
+                sstep,
+                ((max(rows) + 1, *dsize), (step, *dstride), low),
+                None if rows == list(range(max(rows) + 1)) else rows,
+            )
+
+
 class _Recorder:
     """Notes the calls ``_layerwise_process`` receives, each staged tensor among their arguments
     found in ``index``."""
@@ -215,6 +531,8 @@ class _Recorder:
         self.modules: list[ModuleCalls] = []
         self.captured: set[int] = set()
         self.refused: str | None = None
+        #: why modules keep their loader calls instead of copies: reason -> modules
+        self.copies_refused: dict[str, int] = {}
 
     def watch(self, weights):
         return self.index.watch(weights)
@@ -304,19 +622,33 @@ class _Recorder:
 
 
 @contextmanager
-def recording(model: torch.nn.Module, index: StagedIndex | None = None):
+def recording(model: torch.nn.Module, index: StagedIndex | None = None, copies: bool = True):
     """Around one layerwise load (``initialize_layerwise_reload`` to ``finalize_layerwise_reload``
     included): yields the :class:`_Recorder`; feed the staged tensors through its ``watch`` (its
     ``index``'s: a fresh one, or the one given), take its ``pending(model)`` between
-    ``load_weights`` and ``finalize_layerwise_reload``, and its ``plan`` after."""
+    ``load_weights`` and ``finalize_layerwise_reload``, and its ``plan`` after. With ``copies``,
+    each recorded module's loader calls run under :class:`_CopyCapture` (its copies noted)."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     rec = _Recorder(index if index is not None else StagedIndex())
     original = layerwise._layerwise_process
+    loaders = layerwise._get_original_loader
 
     def noting(layer, info):
         rec.capture(layer, info)
-        return original(layer, info)
+        mc = rec.modules[-1] if rec.modules else None
+        if mc is None or mc.module() is not layer or not copies:
+            return original(layer, info)
+        cap = _CopyCapture(rec.index, layer)
+        layerwise._get_original_loader = cap.wrap(loaders)
+        try:
+            got = original(layer, info)
+        finally:
+            layerwise._get_original_loader = loaders
+        mc.copies, why = cap.batches([c.param for c in mc.calls])
+        if why is not None:
+            rec.copies_refused[why] = rec.copies_refused.get(why, 0) + 1
+        return got
 
     layerwise._layerwise_process = noting
     try:

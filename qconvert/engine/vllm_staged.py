@@ -657,6 +657,8 @@ def load_staged(
                             staged.close()  # before the files are unmapped
                         extra["replay"] = extra["modules"].pop("replay", None)
                         extra["plan"] = extra["modules"].pop("plan", None)
+                        if "copies_refused" in extra["modules"]:
+                            extra["copies_refused"] = extra["modules"].pop("copies_refused")
                     elif chunked:
                         it = iter_tensors_to_device(maps, device)
                         try:
@@ -788,12 +790,15 @@ def load_staged_into_worker(
     device_chunks: bool | None = None,
     keep_maps: bool | None = None,
     marlin_gather: bool | None = None,
+    loader_copies: bool | None = None,
 ) -> dict:
     """Body of ``WorkerExtension.qconvert_load_staged``: ``worker`` is the vLLM worker. ``direct``
     (default: the server's ``QCONVERT_DIRECT_RELOAD``, on when unset) allows the direct in-place
     load where it is exact (qconvert/engine/vllm_direct.py): True for every form, False for none,
     or a list of form names (``vllm_direct.Form`` values), the others then reloading layerwise;
-    ``device_chunks``, ``keep_maps``, ``marlin_gather``: see :func:`load_staged`."""
+    ``device_chunks``, ``keep_maps``, ``marlin_gather``: see :func:`load_staged`; ``loader_copies``
+    (default: on unless the server's ``QCONVERT_LOADER_COPIES`` is ``0``) makes replayed modules'
+    loader calls as their recorded copies (vllm_replay)."""
     from qconvert.engine import vllm_direct
 
     runner = worker.model_runner
@@ -805,7 +810,9 @@ def load_staged_into_worker(
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(worker.vllm_config):
-            got = vllm_direct.load_direct(runner.get_model(), worker.vllm_config.model_config, staged, forms)
+            got = vllm_direct.load_direct(
+                runner.get_model(), worker.vllm_config.model_config, staged, forms, copies=loader_copies
+            )
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
             fn = getattr(runner, reset, None)
             if fn is not None:

@@ -113,6 +113,7 @@ class WorkerExtension:
         device_chunks: bool | None = None,
         keep_maps: bool | None = None,
         marlin_gather: bool | None = None,
+        loader_copies: bool | None = None,
     ) -> dict:
         """Load the committed content of the staging area at ``area`` (v1 or v2) from mappings of
         this rank's files: see vllm_staged; in place where exact (vllm_direct; ``direct=False``
@@ -121,7 +122,9 @@ class WorkerExtension:
         QCONVERT_STAGED_KEEP_MAPS, on a GPU server unless ``0``) takes a refit area from the kept, registered
         mappings instead of mapping it afresh; ``marlin_gather`` (default: the server's
         QCONVERT_GPU_MARLIN_GATHER, on a GPU server unless ``0``) runs vLLM's MXFP8 MoE Marlin
-        preparation as one byte gather per tensor (vllm_marlin).
+        preparation as one byte gather per tensor (vllm_marlin); ``loader_copies`` (default: the
+        server's QCONVERT_LOADER_COPIES, on unless ``0``) makes the replayed modules' loader calls
+        as their recorded copies (vllm_replay).
         Returns load statistics (files, bytes, seconds, ``path``; with ``profile`` > 0 the most
         expensive functions of the load)."""
         from qconvert.engine.vllm_staged import load_staged_into_worker
@@ -135,6 +138,7 @@ class WorkerExtension:
             device_chunks=device_chunks,
             keep_maps=keep_maps,
             marlin_gather=marlin_gather,
+            loader_copies=loader_copies,
         )
 
     def qconvert_release_staged(self, area: str | None = None) -> int:
