@@ -596,7 +596,7 @@ def refit_synthetic(rec, srv: Server, b_src: Path):
             "replay",
             "modules",
             "marlin",
-            "copies_refused",
+            "copies_recorded",
         )
 
         def alternate(label: str, arg: str, digests: bool) -> dict[str, list]:

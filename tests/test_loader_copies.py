@@ -62,7 +62,7 @@ def _method():
 
 
 class Experts(torch.nn.Module):
-    """vLLM's FusedMoE parameter shapes: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, N], and
+    """vLLM's FusedMoE parameter shapes: w13 [E, 2N, H] (gate rows then up rows), w2 [E, H, N], and
     a scale per row of each; its loader narrows the expert's shard and copies, as vLLM's does.
     ``how`` makes the loader do something else as well (the refusals)."""
 

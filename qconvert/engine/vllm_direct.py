@@ -489,8 +489,8 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict, copie
     the first load of a layout, replayed by the next. Returns the module counts (:func:`summary`),
     the tensors the copy plan copied, the modules whose loader calls were replayed (and of them,
     made as their recorded copies: ``copies``, default :func:`vllm_replay.copies_enabled`),
-    ``plan`` and ``replay`` (what happened to each plan; ``copies_refused``: why recorded modules
-    keep their loader calls, at a recording)."""
+    ``plan`` and ``replay`` (what happened to each plan; at a recording, ``copies_recorded``: the
+    modules with copies, their copies and batches, and why the others keep their loader calls)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -505,7 +505,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict, copie
     known = _PLANS.get(model)
     outcome, replay, planned, replayed, copied = "off", "off", 0, 0, 0
     copies = vllm_replay.copies_enabled() if copies is None else bool(copies)
-    copies_refused = None
+    copies_recorded = None
     with torch.no_grad(), ExitStack() as stack:
         with _direct_modules(forms, direct):
             initialize_layerwise_reload(model)
@@ -546,7 +546,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict, copie
             loaders, refused = lrec.plan(key, pending, set(_PLANS[model].copies))
             vllm_replay.keep(model, loaders)
             replay = vllm_replay.REPLAY_RECORDED if loaders is not None else f"refused:{refused}"
-            copies_refused = dict(lrec.copies_refused)
+            copies_recorded = {**lrec.copies_made, "refused": dict(lrec.copies_refused)}
         for m in direct:
             if forms[m][0] is Form.CPU_MXFP8_MOE:
                 vllm_cpu_plugin.refresh_mxfp8_experts(m)
@@ -562,7 +562,7 @@ def load_direct(model: torch.nn.Module, model_config, staged, forms: dict, copie
         vllm_replay.COPIED_KEY: copied,
         "plan": outcome,
         "replay": replay,
-        **({"copies_refused": copies_refused} if copies_refused is not None else {}),
+        **({"copies_recorded": copies_recorded} if copies_recorded is not None else {}),
     }
 
 

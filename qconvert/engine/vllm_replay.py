@@ -533,6 +533,8 @@ class _Recorder:
         self.refused: str | None = None
         #: why modules keep their loader calls instead of copies: reason -> modules
         self.copies_refused: dict[str, int] = {}
+        #: the modules with copies, their copies and the batches those make
+        self.copies_made = {"modules": 0, "copies": 0, "batches": 0}
 
     def watch(self, weights):
         return self.index.watch(weights)
@@ -648,6 +650,10 @@ def recording(model: torch.nn.Module, index: StagedIndex | None = None, copies: 
         mc.copies, why = cap.batches([c.param for c in mc.calls])
         if why is not None:
             rec.copies_refused[why] = rec.copies_refused.get(why, 0) + 1
+        else:
+            rec.copies_made["modules"] += 1
+            rec.copies_made["copies"] += len(cap.copies)
+            rec.copies_made["batches"] += sum(len(b) for b in mc.copies.values())
         return got
 
     layerwise._layerwise_process = noting

@@ -657,8 +657,8 @@ def load_staged(
                             staged.close()  # before the files are unmapped
                         extra["replay"] = extra["modules"].pop("replay", None)
                         extra["plan"] = extra["modules"].pop("plan", None)
-                        if "copies_refused" in extra["modules"]:
-                            extra["copies_refused"] = extra["modules"].pop("copies_refused")
+                        if "copies_recorded" in extra["modules"]:
+                            extra["copies_recorded"] = extra["modules"].pop("copies_recorded")
                     elif chunked:
                         it = iter_tensors_to_device(maps, device)
                         try:
