@@ -107,6 +107,7 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                 c.collective_rpc("qconvert_repack_cpu_moe")
             rec["repack"].append(time.perf_counter() - t)
 
+        direct = args.direct.split(",") if args.direct else None
         c.collective_rpc(STAGED_RPC, area=str(areas[1]))  # warm-up: first touch of the area's pages
         repack()
         for _ in range(args.rounds):
@@ -116,13 +117,22 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                 rec["bytes"] = fl["bytes"]
                 rec["threads"] = fl["threads"]
                 t = time.perf_counter()
-                (st,) = c.collective_rpc(STAGED_RPC, area=str(area))
+                (st,) = c.collective_rpc(STAGED_RPC, area=str(area), direct=direct)
                 rec["staged_wall"].append(time.perf_counter() - t)
                 rec["staged"].append(st["load_seconds"] + st["map_seconds"])
                 rec["released"] = st["mappings_released"]
                 rec["path"], rec["modules"] = st.get("path"), st.get("modules")
                 rec.setdefault("plans", []).append(st.get("plan"))
+                rec.setdefault("copied", []).append((st["modules"] or {}).get("copied-modules"))
+                if st.get("copies_recorded"):
+                    rec["copies_recorded"] = st["copies_recorded"]
                 repack()
+                if (
+                    args.copies_ab
+                ):  # the same load with the replayed modules' loaders called (docs/reload.md#loader-copies)
+                    (st,) = c.collective_rpc(STAGED_RPC, area=str(area), direct=direct, loader_copies=False)
+                    rec.setdefault("calls", []).append(st["load_seconds"] + st["map_seconds"])
+                    repack()
                 (st,) = c.collective_rpc(STAGED_RPC, area=str(area), direct=False)
                 rec["layerwise"].append(st["load_seconds"] + st["map_seconds"])
                 repack()
@@ -133,7 +143,7 @@ def bench_scheme(scheme: str, args, overrides: dict) -> dict:
                     repack()
         # a last direct load of the first area (profiled with --profile), so that the greedy text below
         # is the first checkpoint's whatever ran last in the rounds
-        (st,) = c.collective_rpc(STAGED_RPC, area=str(areas[0]), profile=args.profile)
+        (st,) = c.collective_rpc(STAGED_RPC, area=str(areas[0]), profile=args.profile, direct=direct)
         rec["profile"] = st.get("profile")
         repack()
         # the server still answers and its weights are the first checkpoint's (the last load)
@@ -168,6 +178,14 @@ def main() -> None:
     ap.add_argument("--no-stock", action="store_true", help="skip vLLM's own reload_weights of the area")
     ap.add_argument("--keep", action="store_true", help="keep the staging areas")
     ap.add_argument("--json", help="write the raw record here")
+    ap.add_argument(
+        "--direct",
+        help="the direct-load forms to take (comma list of vllm_direct.Form values; the others reload "
+        "layerwise, their loader calls replayed, as every module of a GPU server does); default all",
+    )
+    ap.add_argument(
+        "--copies-ab", action="store_true", help="also time each direct load with QCONVERT_LOADER_COPIES off (calls)"
+    )
     args = ap.parse_args()
     heads = max(1, args.hidden // 64)
     overrides = {
@@ -211,6 +229,16 @@ def main() -> None:
         )
         print(f"{r['scheme']}: default load path {r.get('path')}, modules per form {r.get('modules')}")
         print(f"{r['scheme']}: copy plan of each timed direct load: {r.get('plans')}")
+        print(
+            f"{r['scheme']}: loader copies recorded {r.get('copies_recorded')}; modules copied per load {r.get('copied')}"
+        )
+        if r.get("calls"):
+            f = med(r["floor"])
+            print(
+                f"{r['scheme']}: the same load with the replayed loader calls instead of their copies: "
+                f"{med(r['calls']):.3f} s ({rng(r['calls'])}), {med(r['calls']) / f:.2f}x the floor, against "
+                f"{med(r['staged']):.3f} s ({rng(r['staged'])}), {med(r['staged']) / f:.2f}x, with the copies"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(recs, indent=1))
 

@@ -178,13 +178,15 @@ def test_copies_leave_what_the_layerwise_reload_leaves(device):
     plan, why, refused = _record(model, Staged(0, device))
     assert why is None and refused == {}
     moe = next(m for m in plan.modules if m.module() is model.moe)
-    # one batch per parameter and shard kind: 12 experts' gate copies in one index_copy_, their
-    # rows in the staged order (experts 0, 1, 10, 11, 2, ...), not one copy each
+    # the experts' copies batched per shard kind in runs of the staged order (experts 0, 1 | 10, 11
+    # | 2 ... 9): three strided copies each for 12 experts, not one copy each
     sizes = {p: sorted(len(b.names) for b in bs) for p, bs in moe.copies.items()}
-    assert sizes == {"w13": [E, E], "s13": [E, E], "w2": [E], "s2": [E]}, sizes
+    assert sizes == {"w13": [2, 2, 2, 2, 8, 8], "s13": [2, 2, 2, 2, 8, 8], "w2": [2, 2, 8], "s2": [2, 2, 8]}, sizes
     gate = min(moe.copies["w13"], key=lambda b: b.dst[2])
-    assert gate.rows.tolist() == [0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert gate.names == ("moe.experts.0.gate", "moe.experts.1.gate")
     assert gate.dst[1][0] == 2 * N * H  # a row is one expert of w13
+    up = [b for b in moe.copies["w13"] if b.names[0] == "moe.experts.2.up"]
+    assert len(up) == 1 and up[0].dst[2] == 2 * 2 * N * H + N * H  # expert 2's up rows, the second half
     _layerwise(oracle, Staged(0, device))
     assert _same_bytes(model, oracle)
     for seed, copies in ((1, True), (2, False), (3, True)):

@@ -27,8 +27,8 @@ A replay keeps that last part, vLLM's own function, and skips the rest (docs/rel
   the module's parameters (an MoE layer's per-expert ``weight_loader``: a narrow of the expert's
   slice and one ``copy_``), the recording also notes each copy (a dispatch mode around each loader
   call), and a replay hands ``_layerwise_process`` one call per parameter that makes those copies
-  instead of calling the loaders, the copies of one shape batched into one ``index_copy_`` per
-  parameter and staged buffer (:class:`CopyPlan`, docs/reload.md#loader-copies). A module whose
+  instead of calling the loaders, the copies of one shape batched into strided ``copy_`` s per
+  parameter and staged buffer (:class:`CopyBatch`, docs/reload.md#loader-copies). A module whose
   loaders wrote a parameter otherwise (a fill, a computed value, copies that overlap) or read a
   staged tensor otherwise keeps its loader calls.
 """
@@ -144,51 +144,43 @@ class _Bound(inspect.BoundArguments):
 
 class CopyBatch:
     """Copies of one shape into one parameter from staged tensors lying a fixed step apart in one
-    staged buffer, made as one ``index_copy_`` (one ``copy_`` where ``rows`` is None: the sources
-    fill the destination view's rows in order).
+    staged buffer to destinations a fixed step apart in the parameter, made as one ``copy_`` of a
+    strided view of the buffer into a strided view of the parameter.
 
     ``names``: the staged tensors in buffer order; ``deltas``: each one's byte distance from the
     first, checked at every replay; ``dtype``: how the copies viewed the staged bytes; ``src``:
-    (sizes, strides, offset in elements of ``dtype`` from the first staged tensor's start) of one
-    source, ``step``: elements between consecutive sources; ``dst``: (sizes, strides, offset) of the
-    destination view in the parameter's elements, its first dimension the rows; ``rows``: the row
-    of each source."""
+    (sizes, strides, offset in elements of ``dtype`` from the first staged tensor's start) and
+    ``dst`` (sizes, strides, offset in the parameter's elements) of the whole batch, the first
+    dimension one row per staged tensor."""
 
-    def __init__(self, names, deltas, dtype, src, step, dst, rows):
+    def __init__(self, names, deltas, dtype, src, dst):
         self.names, self.deltas, self.dtype = tuple(names), tuple(deltas), dtype
-        self.src, self.step, self.dst = src, step, dst
-        self.rows = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-        self._rows_on: dict = {}
+        self.src, self.dst = src, dst
 
     def apply(self, got: dict[str, torch.Tensor], param: torch.Tensor) -> None:
-        first = got[self.names[0]]
-        base = first.reshape(-1)
-        if base.dtype != self.dtype:
-            base = base.view(torch.uint8).view(self.dtype)
         (ssize, sstride, soff), (dsize, dstride, doff) = self.src, self.dst
         target = param.data
-        same = target.dtype == self.dtype
-        if same:  # bytes, not values
-            base, target = base.view(_BITS[base.element_size()]), target.view(_BITS[target.element_size()])
+        same = target.dtype == self.dtype  # then bytes, not values, move (NaN payloads kept)
+        if same:
+            target = target.view(_BITS[target.element_size()])
         dst = torch.as_strided(target, dsize, dstride, target.storage_offset() + doff)
+        first = got[self.names[0]]
         p0 = first.data_ptr()
         if len(self.names) > 1 and any(got[n].data_ptr() - p0 != d for n, d in zip(self.names, self.deltas)):
             # not where the recording had them (cannot happen for the same layout): one copy each
-            rows = range(len(self.names)) if self.rows is None else self.rows.tolist()
-            for n, r in zip(self.names, rows):
-                b = got[n].reshape(-1)
-                b = b.view(torch.uint8).view(self.dtype) if b.dtype != self.dtype else b
-                b = b.view(_BITS[b.element_size()]) if same else b
-                dst[r].copy_(torch.as_strided(b, ssize[1:], sstride[1:], b.storage_offset() + soff))
+            for row, n in enumerate(self.names):
+                b = self._flat(got[n], same)
+                dst[row].copy_(torch.as_strided(b, ssize[1:], sstride[1:], b.storage_offset() + soff))
             return
-        src = torch.as_strided(base, ssize, sstride, base.storage_offset() + soff)
-        if self.rows is None:
-            dst.copy_(src)
-            return
-        rows = self._rows_on.get(dst.device)
-        if rows is None:
-            rows = self._rows_on[dst.device] = self.rows.to(dst.device)
-        dst.index_copy_(0, rows, src)
+        b = self._flat(first, same)
+        dst.copy_(torch.as_strided(b, ssize, sstride, b.storage_offset() + soff))
+
+    def _flat(self, t: torch.Tensor, same: bool) -> torch.Tensor:
+        """``t`` as a flat tensor of ``dtype`` (its integer twin where ``same``), at ``t``'s first byte."""
+        base = t.reshape(-1)
+        if base.dtype != self.dtype:
+            base = base.view(torch.uint8).view(self.dtype)
+        return base.view(_BITS[base.element_size()]) if same else base
 
 
 def _apply_copies(param, work) -> None:
@@ -455,9 +447,7 @@ class _CopyCapture:
 def _one(name: str, dtype, src: tuple, dst: tuple) -> CopyBatch:
     """One copy as a batch of one row."""
     (ssize, sstride, soff), (dsize, dstride, doff) = src, dst
-    return CopyBatch(
-        [name], [0], dtype, ((1, *ssize), (0, *sstride), soff), 0, ((1, *dsize), (0, *dstride), doff), None
-    )
+    return CopyBatch([name], [0], dtype, ((1, *ssize), (0, *sstride), soff), ((1, *dsize), (0, *dstride), doff))
 
 
 def _progressions(members: list[tuple], item: int, most: int = 8) -> list[list[tuple]]:
@@ -487,10 +477,9 @@ def _progressions(members: list[tuple], item: int, most: int = 8) -> list[list[t
 
 def _batch(copies: list[tuple], param_dtype: torch.dtype):
     """:class:`CopyBatch` es of one parameter's copies (disjoint destinations, so any order): those
-    of one destination shape, source view and staged buffer, their staged tensors a fixed step
-    apart in it, go together; a copy that converts dtypes goes alone, as recorded."""
-    import math
-
+    of one destination shape, source view and staged buffer whose staged tensors lie a fixed step
+    apart in the buffer and whose destinations lie a fixed step apart, at least one destination's
+    extent, in the parameter go together; a copy that converts dtypes goes alone, as recorded."""
     buckets: dict[tuple, list[tuple]] = {}
     for _, dst, name, dtype, src, key, start in copies:
         if dtype != param_dtype:
@@ -499,27 +488,28 @@ def _batch(copies: list[tuple], param_dtype: torch.dtype):
         buckets.setdefault((dst[0], dst[1], dtype, src, key), []).append((dst[2], name, start))
     for (dsize, dstride, dtype, (ssize, sstride, soff), _), members in buckets.items():
         members.sort(key=lambda m: m[2])
-        runs = _progressions(members, dtype.itemsize)
         span = _span(dsize, dstride)
-        for run in runs:
-            offs = [m[0] for m in run]
-            low = min(offs)
-            step = math.gcd(*(o - low for o in offs))
-            if step and step < span:  # rows of one strided destination would overlap: one each
-                for doff, name, _ in run:
-                    yield _one(name, dtype, (ssize, sstride, soff), (dsize, dstride, doff))
-                continue
-            rows = [(o - low) // step if step else 0 for o in offs]
-            sstep = (run[1][2] - run[0][2]) // dtype.itemsize if len(run) > 1 else 0
-            yield CopyBatch(
-                [m[1] for m in run],
-                [m[2] - run[0][2] for m in run],
-                dtype,
-                ((len(run), *ssize), (sstep, *sstride), soff),
-                sstep,
-                ((max(rows) + 1, *dsize), (step, *dstride), low),
-                None if rows == list(range(max(rows) + 1)) else rows,
-            )
+        for progression in _progressions(members, dtype.itemsize):
+            runs, run = [], [progression[0]]
+            for m in progression[1:]:  # split where the destinations' step changes
+                step = m[0] - run[-1][0]
+                if step >= max(span, 1) and (len(run) == 1 or step == run[1][0] - run[0][0]):
+                    run.append(m)
+                else:
+                    runs.append(run)
+                    run = [m]
+            runs.append(run)
+            for r in runs:
+                n = len(r)
+                dstep = r[1][0] - r[0][0] if n > 1 else 0
+                sstep = (r[1][2] - r[0][2]) // dtype.itemsize if n > 1 else 0
+                yield CopyBatch(
+                    [m[1] for m in r],
+                    [m[2] - r[0][2] for m in r],
+                    dtype,
+                    ((n, *ssize), (sstep, *sstride), soff),
+                    ((n, *dsize), (dstep, *dstride), r[0][0]),
+                )
 
 
 class _Recorder:
