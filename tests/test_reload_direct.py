@@ -258,8 +258,8 @@ def test_nvfp4_experts_direct_and_replayed_equal_layerwise(tmp_path, monkeypatch
         assert made["refused"] == {} and made["modules"] == mods["replayed-modules"], made
         assert mods["copied-modules"] == mods["replayed-modules"], mods
         # the experts' copies batched: per MoE layer, 8 experts' 6 weight and block-scale tensors
-        # in 6 batches (their per-tensor scales are each in a file of its own: one copy each)
-        assert made["copies"] - made["batches"] >= 42 * mods["layerwise:form-disabled"], made
+        # in 6 batches, their 24 per-tensor scales (packed after them in the layer's file) in a few
+        assert made["copies"] - made["batches"] >= 60 * mods["layerwise:form-disabled"], made
         assert served() == want["a"]
         load("b", no_nvfp4)
         assert served() == want["b"]

@@ -32,6 +32,34 @@ def _all_tensors(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_offsets(d: Path) -> tuple[int, int]:
+    """(tensors, those under 256 bytes) of the area ``d``'s files, each offset checked from the raw
+    headers: a multiple of 256, or under 256 bytes at a multiple of its element size after every
+    aligned tensor of its file."""
+    sizes = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1, "F8_E8M0": 1, "I32": 4}
+    n_all = n_tiny = 0
+    for f in d.glob("*.safetensors"):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        hdr = json.loads(raw[8 : 8 + n])
+        last_aligned = 0
+        tiny = []
+        for name, spec in hdr.items():
+            if name == "__metadata__":
+                continue
+            a, b = spec["data_offsets"]
+            n_all += 1
+            if b - a < 256 and (b - a) % 256:
+                assert (8 + n + a) % sizes[spec["dtype"]] == 0, (f.name, name)
+                tiny.append(a)
+                n_tiny += 1
+            else:
+                assert (8 + n + a) % 256 == 0, (f.name, name)
+                last_aligned = max(last_aligned, a)
+        assert all(a > last_aligned for a in tiny) or not last_aligned, f.name
+    return n_all, n_tiny
+
+
 def test_stage_roundtrip_alignment_modes(demo_moe, shm_root):
     area = stage_checkpoint(demo_moe, "moe")
     # same tensors, same bytes, read by the safetensors library (what vLLM/SGLang use)
@@ -39,18 +67,9 @@ def test_stage_roundtrip_alignment_modes(demo_moe, shm_root):
     assert src.keys() == got.keys()
     for k in src:
         assert src[k].dtype == got[k].dtype and torch.equal(src[k].view(torch.uint8), got[k].view(torch.uint8)), k
-    # every tensor starts at a 256-byte file offset (checked from the raw headers, not the manifest)
-    n_checked = 0
-    for f in area.path.glob("*.safetensors"):
-        raw = f.read_bytes()
-        (n,) = struct.unpack("<Q", raw[:8])
-        hdr = json.loads(raw[8 : 8 + n])
-        for name, spec in hdr.items():
-            if name == "__metadata__":
-                continue
-            assert (8 + n + spec["data_offsets"][0]) % 256 == 0, (f.name, name)
-            n_checked += 1
-    assert n_checked == len(src)
+    # every tensor starts at a 256-byte file offset, or one under 256 bytes (q/k norms) at a
+    # multiple of its element size after the aligned ones (checked from the raw headers)
+    assert _check_offsets(area.path) == (len(src), 8)  # q_norm and k_norm of 4 layers
     # every tensor of a layer in one group, groups in layer order
     idx = json.loads((area.path / "model.safetensors.index.json").read_text())["weight_map"]
     layer_groups: dict[int, set[str]] = {}
@@ -217,3 +236,23 @@ def test_one_header_writer_any_alignment(tmp_path, align):
                 assert got.dtype == t.dtype and torch.equal(
                     got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
                 )
+
+
+def test_scalars_share_their_layers_file(demo_moe, tmp_path, shm_root):
+    """An NVFP4 MoE checkpoint's per-expert scalar scales (4 bytes each) sit after the aligned
+    tensors of their layer's file, not each in a file of its own (docs/reload.md#staging-area-format):
+    one file per layer, bytes unchanged, the area readable."""
+    from qconvert.convert.pipeline import ConvertOptions, convert
+
+    q = tmp_path / "q"
+    convert(str(demo_moe), q, "nvfp4", ConvertOptions(scheme="nvfp4", fsync=False, progress=False))
+    area = stage_checkpoint(q, "nv")
+    want, got = _all_tensors(q), _all_tensors(area.path)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k].reshape(-1).view(torch.uint8), got[k].reshape(-1).view(torch.uint8)) for k in want)
+    n, tiny = _check_offsets(area.path)
+    assert n == len(want) and tiny >= 3 * 8 * 4, tiny  # gate/up/down scale_2 of 8 experts, 4 layers
+    files = {json.loads((area.path / "model.safetensors.index.json").read_text())["weight_map"][k] for k in want}
+    layers = {staging.layer_of(k) for k in want} - {None}
+    assert len(files) <= len(layers) + 2, sorted(files)  # a file per layer, the embeddings and the rest
+    assert open_area("nv").manifest["tensors"].keys() == want.keys()

@@ -180,7 +180,7 @@ def stage_create(ckpt, name):
     area = staging.stage_checkpoint(ckpt, name)
     click.echo(
         f"staged {ckpt} as {area.path} ({area.nbytes / 1e6:.1f} MB, "
-        f"{len(area.manifest['tensors'])} tensors, 256-byte aligned)"
+        f"{len(area.manifest['tensors'])} tensors, 256-byte aligned; those under 256 bytes to their element size)"
     )
 
 

@@ -155,15 +155,6 @@ def group_key(name: str) -> tuple[int, int]:
     return (0, 0) if "embed" in name else (2, 0)
 
 
-def _pack(sizes: list[tuple[str, int]]) -> list[list[str]]:
-    """Split one group's tensors into shards in which every tensor starts 256-aligned."""
-    even = [n for n, s in sizes if s % ALIGN == 0]
-    odd = [n for n, s in sizes if s % ALIGN != 0]
-    files = [even + odd[:1]] if (even or odd) else []
-    files += [[n] for n in odd[1:]]
-    return files
-
-
 def _open_private(path: Path):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.fchmod(fd, 0o600)
@@ -271,7 +262,8 @@ class StagingWriter:
             if buf.nbytes != want:
                 raise StagingError(f"tensor {name!r}: {buf.nbytes} bytes do not match {tag} {list(shape)}")
             by_name[name] = (tag, tuple(int(s) for s in shape), buf)
-        for k, names in enumerate(_pack([(n, by_name[n][2].nbytes) for n in by_name])):
+        sizes = {n: by_name[n][2].nbytes for n in by_name}
+        for k, names in enumerate(fs.pack(sizes, {n: by_name[n][0] for n in by_name})):
             fname = (
                 f"g{gidx:05d}-{k:02d}.safetensors"
                 if rank is None
@@ -477,7 +469,7 @@ def open_area(
             f"drop and restage {name}"
         )
     for t, spec in manifest["tensors"].items():
-        if spec["offset"] % manifest.get("alignment", ALIGN) or spec["offset"] % ALIGN:
+        if manifest.get("alignment", ALIGN) != ALIGN or not fs.offset_ok(spec["offset"], spec["nbytes"], spec["dtype"]):
             raise StagingError(f"staging area {path}: tensor {t!r} is not {ALIGN}-byte aligned; restage {name}")
     for fname, spec in manifest["files"].items():
         fp = path / fname
@@ -657,27 +649,11 @@ PART_BYTES = 128 << 20
 def pack_v2(
     group: int, rank: tuple[int, int] | None, tensors: list[tuple[str, str, tuple[int, ...]]]
 ) -> list[tuple[fs.FileSpec, bytes]]:
-    """The files of one (group, rank): (FileSpec, header bytes). Tensors whose size is a multiple of
-    256 (each 256-aligned), in files of at most :data:`PART_BYTES`, the last of which then takes
-    those under 256 bytes by falling element size (each at a multiple of its element size); any
-    other tensor gets a file of its own."""
-    size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in tensors}
+    """The files of one (group, rank): (FileSpec, header bytes), by the staging files' one packing
+    rule (:func:`formats.staging.pack`, in name order, files of at most :data:`PART_BYTES`)."""
+    size = {n: fs.tensor_nbytes(tag, shape) for n, tag, shape in sorted(tensors)}
     meta = {n: (tag, tuple(int(x) for x in shape)) for n, tag, shape in tensors}
-    even = sorted(n for n in size if size[n] % ALIGN == 0)
-    tiny = sorted(
-        (n for n in size if size[n] < ALIGN and size[n] % ALIGN), key=lambda n: (-fs.DTYPE_SIZES[meta[n][0]], n)
-    )
-    odd = sorted(n for n in size if size[n] % ALIGN and size[n] >= ALIGN)
-    parts: list[list[str]] = [[]]
-    filled = 0
-    for n in even:  # files of at most PART_BYTES (or one tensor): digests run in parallel over them
-        if parts[-1] and filled + size[n] > PART_BYTES:
-            parts.append([])
-            filled = 0
-        parts[-1].append(n)
-        filled += size[n]
-    parts[-1] += tiny
-    parts = [p for p in parts if p] + [[n] for n in odd]
+    parts = fs.pack(size, {n: m[0] for n, m in meta.items()}, PART_BYTES)
     out = []
     for part, names in enumerate(parts):
         head, offs = header_bytes(

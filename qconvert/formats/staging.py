@@ -39,6 +39,36 @@ DEFAULT_ROOT = "/dev/shm/qconvert"
 ALIGN = 256  # tensor data starts at a file offset that is a multiple of this (tensors under ALIGN bytes:
 #              of their element size, packed at the end of a file; docs/reload.md#staging-area-format)
 
+
+def offset_ok(offset: int, nbytes: int, tag: str) -> bool:
+    """Whether a tensor of ``nbytes`` bytes of safetensors dtype ``tag`` may start at file offset
+    ``offset`` in a staging file: a multiple of :data:`ALIGN`, or, under ALIGN bytes, of its
+    element size (both formats; docs/reload.md#staging-area-format)."""
+    return offset % ALIGN == 0 or (nbytes < ALIGN and offset % DTYPE_SIZES[tag] == 0)
+
+
+def pack(sizes: dict[str, int], tags: dict[str, str], part_bytes: int | None = None) -> list[list[str]]:
+    """The files of one group's tensors (``sizes``: name -> bytes, in the order to keep; ``tags``:
+    their dtype tags), each a list of names written back to back after a header padded to ALIGN:
+    the tensors whose size is a multiple of ALIGN (each then ALIGN-aligned), in files of at most
+    ``part_bytes`` (one when None) unless one tensor is larger, the last file then taking those
+    under ALIGN bytes by falling element size (each at a multiple of its element size: sizes that
+    are multiples of larger powers of two come first); any other tensor in a file of its own."""
+    even = [n for n in sizes if sizes[n] % ALIGN == 0]
+    tiny = sorted((n for n in sizes if sizes[n] < ALIGN and sizes[n] % ALIGN), key=lambda n: -DTYPE_SIZES[tags[n]])
+    odd = [n for n in sizes if sizes[n] % ALIGN and sizes[n] >= ALIGN]
+    parts: list[list[str]] = [[]]
+    filled = 0
+    for n in even:
+        if part_bytes is not None and parts[-1] and filled + sizes[n] > part_bytes:
+            parts.append([])
+            filled = 0
+        parts[-1].append(n)
+        filled += sizes[n]
+    parts[-1] += tiny
+    return [p for p in parts if p] + [[n] for n in odd]
+
+
 FORMAT_V1 = "qconvert-staging/1"
 MANIFEST_V1 = "qconvert-staging.json"  # v1: whole area written once, renamed into place
 FORMAT_V2 = "qconvert-staging/2"
@@ -302,7 +332,7 @@ def _parse_files(raw, tp: int, ep: int, where: str, v2: bool) -> tuple[FileSpec,
             shape = tuple(_int(s, where, f"tensor {tname} shape") for s in shape)
             off = _int(t.get("offset"), where, f"tensor {tname} offset")
             spec = TensorSpec(t["dtype"], shape, off)
-            if off % ALIGN and not (spec.nbytes < ALIGN and off % DTYPE_SIZES[spec.dtype] == 0):
+            if not offset_ok(off, spec.nbytes, spec.dtype):
                 raise _bad(where, f"tensor {tname} starts at {off}, not a multiple of {ALIGN}")
             if off + spec.nbytes > size:
                 raise _bad(where, f"tensor {tname} ends at {off + spec.nbytes}, past its file's {size} bytes")
