@@ -263,8 +263,11 @@ def _loaders_replaced(layerwise):
     """While the yielded flag ``[0]`` is set, ``_layerwise_process`` unwraps every parameter's
     loader to :func:`_apply_copies` (its loop sets ``param.weight_loader =
     _get_original_loader(param)`` after materializing the layer, then calls it)."""
-    saved = layerwise._get_original_loader
+    saved = getattr(layerwise, "_get_original_loader", None)
     flag = [False]
+    if saved is None:  # a vLLM without it: nothing was recorded as copies (see recording)
+        yield flag
+        return
 
     def original_loader(tensor):
         return _apply_copies if flag[0] else saved(tensor)
@@ -624,7 +627,8 @@ def recording(model: torch.nn.Module, index: StagedIndex | None = None, copies: 
 
     rec = _Recorder(index if index is not None else StagedIndex())
     original = layerwise._layerwise_process
-    loaders = layerwise._get_original_loader
+    loaders = getattr(layerwise, "_get_original_loader", None)
+    copies = copies and loaders is not None  # a vLLM whose _layerwise_process unwraps loaders otherwise
 
     def noting(layer, info):
         rec.capture(layer, info)
