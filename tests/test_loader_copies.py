@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from qconvert.engine import vllm_replay  # noqa: E402
+from test_loader_replay import _layerwise, _recorded  # noqa: E402
+from test_loader_replay import _replayed as _replay  # noqa: E402
 
 E, N, H = 12, 3, 4  # 12 experts: the names sort experts.0, experts.1, experts.10, experts.11, experts.2 ...
 KINDS = {"gate": (N, H), "up": (N, H), "down": (H, N), "gate_s": (N,), "up_s": (N,), "down_s": (H,)}
@@ -120,43 +121,8 @@ class Toy(torch.nn.Module):
 
 
 def _record(model, staged):
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    with vllm_replay.recording(model) as rec:
-        initialize_layerwise_reload(model)
-        model.load_weights(rec.watch(iter(staged)))
-        pending = rec.pending(model)
-        finalize_layerwise_reload(model, None)
-    plan, why = rec.plan(("k",), pending, set())
+    rec, (plan, why) = _recorded(model, staged)
     return plan, why, rec.copies_refused
-
-
-def _replay(model, plan, staged, copies=True) -> tuple[int, int]:
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    initialize_layerwise_reload(model)
-    others, n, copied = plan.replay(iter(staged), copies)
-    model.load_weights(others)
-    finalize_layerwise_reload(model, None)
-    return n, copied
-
-
-def _layerwise(model, staged) -> None:
-    """vLLM's layerwise reload (what ``reload_weights`` runs), the oracle."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(staged))
-    finalize_layerwise_reload(model, None)
 
 
 def _same_bytes(a, b) -> bool:

@@ -101,7 +101,9 @@ def _layerwise(model, weights) -> None:
     finalize_layerwise_reload(model, None)
 
 
-def _record(model, staged):
+def _recorded(model, staged):
+    """One recording load of ``staged`` into ``model``: the recorder and the plan it gives
+    (plan, why) (tests/test_loader_copies.py uses it too)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -112,20 +114,29 @@ def _record(model, staged):
         model.load_weights(rec.watch(iter(staged)))
         pending = rec.pending(model)
         finalize_layerwise_reload(model, None)
-    return rec.plan(("k",), pending, set())
+    return rec, rec.plan(("k",), pending, set())
 
 
-def _replay(model, plan, staged) -> int:
+def _record(model, staged):
+    return _recorded(model, staged)[1]
+
+
+def _replayed(model, plan, staged, copies=True) -> tuple[int, int]:
+    """One replayed load: (modules replayed, of them by their copies)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     initialize_layerwise_reload(model)
-    others, n, _ = plan.replay(iter(staged))
+    others, n, copied = plan.replay(iter(staged), copies)
     model.load_weights(others)
     finalize_layerwise_reload(model, None)
-    return n
+    return n, copied
+
+
+def _replay(model, plan, staged) -> int:
+    return _replayed(model, plan, staged)[0]
 
 
 def _served(model) -> dict:

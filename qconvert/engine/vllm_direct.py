@@ -64,6 +64,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from qconvert.engine.vllm_replay import written_by
+
 #: ``path`` of a staged load's statistics: which load ran.
 PATH_DIRECT = "direct"
 PATH_LAYERWISE = "layerwise"
@@ -432,13 +434,7 @@ class _Recorder:
             got = self._source(t) if isinstance(t, torch.Tensor) else None
             if got is not None:
                 self.other.add(got[0])
-        written = [
-            a
-            for a, arg in zip(args, func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
-        ]
-        written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
-        if any(_storage_key(t) in self.dst_of for t in written):
+        if any(_storage_key(t) in self.dst_of for t in written_by(func, args, kwargs)):
             self.refused = f"direct-write-by-{func}"
 
     def plan(self, key: tuple, file_of) -> tuple[CopyPlan | None, str | None]:

@@ -317,6 +317,31 @@ class StagedIndex:
         end, name, dtype = self.entries[key][i]
         return (name, dtype, starts[i], end) if at < end else None
 
+    def within(self, t: torch.Tensor) -> tuple[str, int, int] | bool | None:
+        """(staged tensor, offset of ``t`` in elements of its dtype from that tensor's start, its
+        first byte) where all of ``t`` lies in one staged tensor at a whole element; False where
+        ``t`` only starts in one; None where it starts in none."""
+        got = self.find(t)
+        if got is None:
+            return None
+        name, _, start, end = got
+        at = t.storage_offset() * t.element_size()
+        size = t.element_size()
+        if t.numel() == 0 or at + _span(t.shape, t.stride()) * size > end or (at - start) % size:
+            return False
+        return name, (at - start) // size, start
+
+
+def written_by(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an aten op (in a dispatch mode) writes: its arguments its schema marks as
+    written, and an ``out``."""
+    got = [
+        a
+        for a, arg in zip(args, func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
+    ]
+    return got + [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
+
 
 def _span(sizes, strides) -> int:
     """Elements from a view's first element to one past its last."""
@@ -371,18 +396,8 @@ class _CopyCapture:
         one; None where it starts in none."""
         if not isinstance(t, torch.Tensor) or t.is_meta:
             return None
-        got = self.index.find(t)
-        if got is None:
-            return None
-        name, _, start, end = got
-        at = t.storage_offset() * t.element_size()
-        if (
-            t.numel() == 0
-            or at + _span(t.shape, t.stride()) * t.element_size() > end
-            or (at - start) % t.element_size()
-        ):
-            return False
-        return name, (at - start) // t.element_size(), storage_key(t), start
+        got = self.index.within(t)
+        return got and (got[0], got[1], storage_key(t), got[2])
 
     def see(self, func, args, kwargs) -> None:
         import torch.utils._pytree as pytree
@@ -415,13 +430,7 @@ class _CopyCapture:
         if any(self._staged(t) is not None for t in leaves):
             self.refused = "staged-tensor-read-otherwise"
             return
-        written = [
-            a
-            for a, arg in zip(args, func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
-        ]
-        written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
-        if any(storage_key(t) in self.tensors for t in written if t.nbytes):
+        if any(storage_key(t) in self.tensors for t in written_by(func, args, kwargs) if t.nbytes):
             self.refused = "parameter-written-otherwise"
 
     def batches(self, params: list[str]) -> tuple[dict[str, tuple[CopyBatch, ...]] | None, str | None]:
@@ -535,16 +544,8 @@ class _Recorder:
     def source(self, t: torch.Tensor) -> tuple[str, int] | None:
         """(staged tensor, offset of ``t`` in elements of its dtype from that tensor's start), or
         None unless all of ``t`` lies in one staged tensor at a whole element."""
-        got = self.index.find(t)
-        if got is None:
-            return None
-        name, _, start, end = got
-        at = t.storage_offset() * t.element_size()
-        last = at + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
-        rel = at - start
-        if t.numel() == 0 or last > end or rel % t.element_size():
-            return None
-        return name, rel // t.element_size()
+        got = self.index.within(t)
+        return got[:2] if got else None
 
     def names_of(self, loaded) -> set[str]:
         got = set()
