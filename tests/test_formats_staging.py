@@ -302,3 +302,31 @@ def test_write_json_atomic_leaves_old_on_failure(tmp_path):
     with pytest.raises(TypeError):
         fs.write_json_atomic(p, {"v": object()})
     assert json.loads(p.read_text()) == {"v": 1} and os.listdir(tmp_path) == ["commit.json"]
+
+
+def test_area_spec_is_parsed_again_only_when_area_json_changes(tmp_path):
+    """read_area_spec keeps the last parse of an unchanged area.json (a refit after the first parses
+    no tensor list) and reads it again when it was replaced, rewritten in place, or made a link."""
+    root = tmp_path / "a"
+    _write_area(root, _spec())
+    first = fs.read_area_spec(root)
+    assert fs.read_area_spec(root) is first and fs.read_area(root).files is first.files
+    # replaced whole (write_json_atomic: a new inode): the new tensors are seen
+    other = fs.AreaSpec(first.contract, first.digest, 1, 1, (fs.FileSpec(first.files[0].name, 2048, None, {}),))
+    fs.write_json_atomic(root / fs.AREA_JSON, other.to_json())
+    got = fs.read_area_spec(root)
+    assert got is not first and got.files[0].size == 2048 and got.files[0].tensors == {}
+    # rewritten in place with the same size: another modification time, so parsed again
+    p = root / fs.AREA_JSON
+    raw = p.read_text()
+    assert '"size": 2048' in raw
+    p.write_text(raw.replace('"size": 2048', '"size": 4096'))
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert fs.read_area_spec(root).files[0].size == 4096
+    # a link in its place is refused, not answered from the last parse
+    (tmp_path / "x.json").write_text(p.read_text())
+    os.unlink(p)
+    os.symlink(tmp_path / "x.json", p)
+    with pytest.raises(fs.StagingError, match="symbolic link"):
+        fs.read_area_spec(root)

@@ -555,7 +555,7 @@ def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
     kept = vllm_staged.KeptMaps()
     monkeypatch.setattr(vllm_staged, "KEPT", kept)
     area = shm_root / "kept"
-    mms, seen = {}, []
+    mms, seen, tables = {}, [], {}
     for slot_dir in _refits(demo_moe, "kept", 3):
         stats, got, _ = _load(area, keep_maps=True)
         want = _source_tensors(slot_dir)
@@ -565,6 +565,9 @@ def test_kept_maps_see_every_refit_in_place(demo_moe, shm_root, monkeypatch):
         assert len(kept) == 2 * stats["files"]  # the first load maps both slots' files
         for key, k in kept._maps.items():
             assert mms.setdefault(key, k.mm) is k.mm, key  # mapped once, reused by later loads
+            if k.views is not None:  # read by a load: its view table is made once per area spec
+                assert tables.setdefault(key, k.views) is k.views, key
+    assert len(tables) == 2 * stats["files"]
     assert seen[0] != seen[2]  # slot 0 twice: the third refit's bytes, through the first load's mappings
     files = len(fmt.read_area(area).files)
     # the default on a CPU server: mapped afresh, nothing kept (a GPU server keeps them unless

@@ -79,12 +79,7 @@ class MappedFile:
     def view_table(self) -> dict:
         """Per tensor name: (torch dtype, shape, contiguous strides, offset, bytes), from the spec once."""
         if self.views is None:
-            from qconvert.convert.safetensors_io import DTYPES
-
-            self.views = {
-                n: (DTYPES[t.dtype][0], tuple(t.shape), _contiguous_strides(t.shape), t.offset, t.nbytes)
-                for n, t in self.spec.tensors.items()
-            }
+            self.views = view_table_of(self.spec)
         return self.views
 
     def tensor(self, tname: str, start: int = 0) -> torch.Tensor:
@@ -116,6 +111,17 @@ class MappedFile:
 def _model_device(model: torch.nn.Module) -> torch.device:
     """Where the served model lives (CPU for a model without parameters)."""
     return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def view_table_of(spec) -> dict:
+    """Per tensor name of a ``formats.staging.FileSpec``: (torch dtype, shape, contiguous strides,
+    offset, bytes)."""
+    from qconvert.convert.safetensors_io import DTYPES
+
+    return {
+        n: (DTYPES[t.dtype][0], tuple(t.shape), _contiguous_strides(t.shape), t.offset, t.nbytes)
+        for n, t in spec.tensors.items()
+    }
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -168,6 +174,8 @@ class _Kept:
     writable: bool = False  # registered through a writable mapping (no read-only registration here)
     pin_tried: bool = False
     device: int = 0  # the CUDA device whose context registered it
+    views_of: object = None  # the FileSpec ``views`` was made from (the area's spec is kept parsed)
+    views: dict | None = None  # its view_table_of, reused by every load of the same spec
 
 
 class KeptMaps:
@@ -208,7 +216,9 @@ class KeptMaps:
         if pin is not None and not k.pin_tried:
             k.pin_tried, k.device = True, pin  # once per mapping: a refusal is not retried at every load
             self._pin(path, k)
-        return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned)
+        if k.views_of is not spec:
+            k.views_of, k.views = spec, view_table_of(spec)
+        return MappedFile(spec.name, path, k.mm, k.base, spec, kept=True, pinned=k.pinned, views=k.views)
 
     def _pin(self, path: Path, k: _Kept) -> None:
         """Register ``k`` read-only; where the platform refuses read-only registration, map the

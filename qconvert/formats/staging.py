@@ -506,8 +506,38 @@ def write_json_atomic(path: Path, obj) -> None:
         os.close(dfd)
 
 
+#: ``area.json`` path -> (its identity when read, the parsed spec): the last few areas read in this
+#: process. The spec is fixed when an area is created and the file is only ever replaced whole
+#: (:func:`write_json_atomic`: a new inode), so an unchanged identity means an unchanged spec; a
+#: refit after the first then costs no parse of its (tens of thousands of) tensor entries in the
+#: client, in the worker and in the trainer (docs/reload.md#staging-area-format)
+_SPECS: dict[str, tuple[tuple, AreaSpec]] = {}
+_SPECS_KEPT = 8
+
+
+def _identity(path: Path) -> tuple | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
+
+
 def read_area_spec(root: Path) -> AreaSpec:
-    return parse_area(read_json(Path(root) / AREA_JSON), str(Path(root) / AREA_JSON))
+    """The validated ``area.json`` of the area at ``root``; parsed again only when the file's
+    identity (device, inode, size, times, mode, owner) differs from the last read of it."""
+    path = Path(root) / AREA_JSON
+    key, ident = str(path), _identity(path)
+    got = _SPECS.get(key)
+    if got is not None and ident is not None and got[0] == ident:
+        return got[1]
+    spec = parse_area(read_json(path), key)
+    if ident is not None and _identity(path) == ident:  # unchanged while it was read
+        _SPECS.pop(key, None)
+        _SPECS[key] = (ident, spec)
+        while len(_SPECS) > _SPECS_KEPT:
+            del _SPECS[next(iter(_SPECS))]
+    return spec
 
 
 def read_commit(root: Path, spec: AreaSpec) -> Commit | None:
