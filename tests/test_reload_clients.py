@@ -404,3 +404,32 @@ def test_extension_flag_names_an_importable_worker_extension():
         assert callable(getattr(cls, method)), method
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert EXTENSION_FLAG in " ".join(readme.split())
+
+
+def test_vllm_served_refit_area_is_checked_against_the_next_reload(ckpt, tmp_path):
+    """A server whose weights are a refit area (version 2) is checked against what is reloaded
+    next, from the contract the area records: a checkpoint of another layout is refused before
+    pausing, one of the same layout is reloaded."""
+    from qconvert.client.staging import checkpoint_contract
+    from qconvert.formats import staging as fs
+
+    area = tmp_path / "area"
+    area.mkdir()
+    (area / "config.json").write_text((ckpt / "config.json").read_text())
+    spec = fs.AreaSpec(checkpoint_contract(ckpt), fs.DIGEST_XXH3, 1, 1, (), ("config.json",))
+    fs.write_json_atomic(area / fs.AREA_JSON, spec.to_json())
+    assert checkpoint_contract(area) == checkpoint_contract(ckpt)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((ckpt / "config.json").read_text())
+    save_file({"model.norm.weight": torch.ones(16, dtype=torch.bfloat16)}, other / "model.safetensors")
+    state = {"root": str(area)}
+    srv = FakeServer(vllm_routes(state))
+    try:
+        with pytest.raises(ReloadError, match=r"does not match the layout of the served checkpoint .*area"):
+            reload_vllm([srv.url], other)
+        assert "/pause" not in srv.paths() and "reloads" not in state
+        reload_vllm([srv.url], ckpt)
+        assert state["reloads"] == [str(ckpt.resolve())]
+    finally:
+        srv.close()

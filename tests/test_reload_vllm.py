@@ -338,5 +338,17 @@ def test_refit_live_weights_equal_converted_reload(served):
     )
     assert res.reload[0].ok
     assert srv.greedy() == want
+    # a second refit while the server serves the area (checked against the contract it records),
+    # then a checkpoint directory of the same layout
+    res = refit(
+        stream(),
+        reference=served["b_src"],
+        urls=[srv.url],
+        stage_name="policy",
+        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
+        weight_version="B-refit-2",
+    )
+    assert res.reload[0].ok and res.area.version == 2
+    assert srv.greedy() == want
     reload_vllm([srv.url], served["a"], weight_version="A-after-refit")
     assert srv.greedy() == served["original"]

@@ -117,9 +117,14 @@ def contract_mismatch(have: dict, want: dict) -> list[str]:
 
 
 def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
-    """Layout contract of a checkpoint directory (reads only config.json, shard headers, manifest)."""
+    """Layout contract of a checkpoint directory (reads only config.json, shard headers, manifest),
+    or of a refit area (version 2: the contract its ``area.json`` records, which every refit into
+    it matched), so that a server now serving a refit area is still checked against what is
+    reloaded next."""
     from qconvert.convert.checkpoint import open_checkpoint
 
+    if os.path.lexists(Path(ckpt) / fs.AREA_JSON):
+        return fs.read_area_spec(Path(ckpt)).contract
     ck = open_checkpoint(ckpt, strict=False)
     tensors = [(e.name, e.dtype, e.shape) for h in ck.shards for e in h.entries.values()]
     return layout_contract(ck.config, tensors, ck.layout)

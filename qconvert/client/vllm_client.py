@@ -335,6 +335,7 @@ def _reload_one(
 
     from qconvert.client.staging import checkpoint_contract, contract_mismatch
     from qconvert.convert.checkpoint import read_config
+    from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
     client.check_dev_mode()
@@ -362,7 +363,8 @@ def _reload_one(
             have = None
         want = expected_contract if expected_contract is not None else checkpoint_contract(path)
         if have is not None and (diff := contract_mismatch(want, have)):
-            if expected_contract is None:  # name the exact difference when both are directories
+            # name the exact difference when both are checkpoint directories
+            if expected_contract is None and not fmt.is_area(Path(previous)):
                 from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
 
                 try:
