@@ -298,3 +298,36 @@ def test_cli_says_when_the_prefix_cache_was_kept(ckpt, mode):
         assert state["updates"][0]["flush_cache"] is (mode != "in_place")
     finally:
         srv.close()
+
+
+def test_layout_mismatch_refused_before_pause(ckpt, tmp_path):
+    """What the server reports serving is checked against what is reloaded, before pausing: a
+    checkpoint directory, and after a refit the slot directory of a refit area (by the contract
+    the area records). SGLang itself loads another layout without a word."""
+    from qconvert.client.staging import checkpoint_contract
+    from qconvert.formats import staging as fs
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((ckpt / "config.json").read_text())
+    save_file({"model.norm.weight": torch.ones(16, dtype=torch.bfloat16)}, other / "model.safetensors")
+    area = tmp_path / "area"
+    area.mkdir()
+    spec = fs.AreaSpec(checkpoint_contract(ckpt), fs.DIGEST_XXH3, 1, 1, (), ())
+    fs.write_json_atomic(area / fs.AREA_JSON, spec.to_json())
+    fs.slot_dir(area, 1).mkdir()
+    # two directories: the tensor is named; an area records a digest of its tensors' names, dtypes
+    # and shapes, which is what differs then
+    for served, words in ((ckpt, r"model\.norm\.weight"), (fs.slot_dir(area, 1), r"\(tensors_sha256 differ\)")):
+        state: dict = {"model_path": str(served)}
+        srv = FakeServer(sglang_routes(state))
+        try:
+            with pytest.raises(ReloadError, match=words):
+                reload_sglang([srv.url], other)
+            assert "/pause_generation" not in srv.paths() and "updates" not in state
+            # the same layout is reloaded; without the check, the other one too
+            reload_sglang([srv.url], ckpt)
+            reload_sglang([srv.url], other, check_contract=False)
+            assert [u["model_path"] for u in state["updates"]] == [str(ckpt.resolve()), str(other.resolve())]
+        finally:
+            srv.close()

@@ -153,6 +153,34 @@ def drop_staged(name: str) -> None:
         )
 
 
+def refuse_layout_mismatch(url: str, path: str, previous: str | None, want: dict | None) -> None:
+    """Before pausing: raise ReloadError when the server's current weights (``previous``, what it
+    reports or qconvert recorded) are readable here and their layout contract differs from
+    ``want`` (``path``'s, read from it when None), naming the tensor when both are checkpoint
+    directories. Both engines load a checkpoint of another layout without a word and answer
+    garbage or NaN. Nothing is compared when ``previous`` is not readable here."""
+    from qconvert.client.staging import checkpoint_contract, contract_mismatch, served_contract
+    from qconvert.formats import staging as fmt
+
+    have = served_contract(previous)
+    if have is None:
+        return
+    diff = contract_mismatch(want if want is not None else checkpoint_contract(path), have)
+    if not diff:
+        return
+    if want is None and (Path(previous) / "config.json").is_file() and not fmt.is_area(Path(previous)):
+        from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
+
+        try:
+            check_reload_compatible(previous, path)
+        except ReloadIncompatible as e:
+            raise ReloadError(f"{url}: {e}") from None
+    raise ReloadError(
+        f"{url}: {path} does not match the layout of the served checkpoint {clean(previous, 200)} "
+        f"({', '.join(diff)} differ); convert it with the same options or restart the server on it"
+    )
+
+
 def resolve_source(ckpt, via, stage_name, stage_checkpoint, open_area) -> tuple[str, dict | None, str | None]:
     """(path the servers read, layout contract of a staging area or None, name of the staging area
     this call created or None)."""

@@ -42,7 +42,15 @@ import uuid
 from pathlib import Path
 
 from qconvert.client.http import ServerClient, ServerError, clean, reply_field
-from qconvert.client.reload import ReloadError, ReloadResult, drop_staged, fan_out, load_paused, resolve_source
+from qconvert.client.reload import (
+    ReloadError,
+    ReloadResult,
+    drop_staged,
+    fan_out,
+    load_paused,
+    refuse_layout_mismatch,
+    resolve_source,
+)
 from qconvert.client.staging import read_layout
 from qconvert.errors import QConvertError
 from qconvert.interrupts import ctrl_c_safe
@@ -174,12 +182,16 @@ class SglangClient(ServerClient):
         return reply_field(self.http, "/generate", out, "text", types=str)
 
 
-def _reload_one(client: SglangClient, path: str, pause: str, version: str, flush: bool) -> ReloadResult:
+def _reload_one(
+    client: SglangClient, path: str, pause: str, version: str, flush: bool, contract: dict | None, check_contract: bool
+) -> ReloadResult:
     import time
 
     t0 = time.perf_counter()
     info = client.model_info()
     previous = info.get("model_path")
+    if check_contract:
+        refuse_layout_mismatch(client.url, path, previous, contract)
 
     def load() -> None:
         from qconvert.formats import staging as fmt
@@ -222,10 +234,13 @@ def reload_sglang(
     reload_timeout: float = 3600.0,
     retries: int = 3,
     keep_staged: bool = False,
+    check_contract: bool = True,
     client_factory=None,
 ) -> list[ReloadResult]:
     """Reload ``ckpt`` into every SGLang server in ``urls`` (data-parallel replicas, concurrently).
-    ``via``, ``keep_staged``, ``timeout`` and ``reload_timeout`` as for :func:`reload_vllm`."""
+    ``via``, ``keep_staged``, ``timeout``, ``reload_timeout`` and ``check_contract`` as for
+    :func:`reload_vllm`: a checkpoint whose layout contract differs from what the server reports
+    serving (a directory or refit area readable here) is refused before pausing."""
     from qconvert.client.staging import open_area, stage_checkpoint
 
     if pause not in PAUSE_MODES:
@@ -235,7 +250,7 @@ def reload_sglang(
     )
     clients = [make(u) for u in urls]  # an invalid URL is refused before anything is staged
     # a staging area's data digests are recomputed only with --verify (as for vLLM)
-    path, _, staged = resolve_source(
+    path, contract, staged = resolve_source(
         ckpt, via, stage_name, stage_checkpoint, lambda name: open_area(name, verify_data=verify)
     )
     try:
@@ -244,7 +259,9 @@ def reload_sglang(
             raise QConvertError(refusal(str(ckpt), why))
         version = weight_version or f"qconvert-{uuid.uuid4().hex[:12]}"
         flush = pause != "in_place"
-        results, errors = fan_out(clients, lambda c: _reload_one(c, path, pause, version, flush))
+        results, errors = fan_out(
+            clients, lambda c: _reload_one(c, path, pause, version, flush, contract, check_contract)
+        )
         if errors:
             raise ReloadError("; ".join(errors))
         for r in results:

@@ -130,6 +130,24 @@ def checkpoint_contract(ckpt: str | os.PathLike) -> dict:
     return layout_contract(ck.config, tensors, ck.layout)
 
 
+def served_contract(previous: str | os.PathLike | None) -> dict | None:
+    """Layout contract of what a server serves now, from the path it reports or qconvert recorded:
+    a checkpoint directory, a refit area, or a refit area's slot directory (what SGLang reports
+    after a refit, docs/reload.md#sglang-disk-update); None when that path is none of these here
+    (a Hub id, another machine's path), so that nothing is compared."""
+    if not previous:
+        return None
+    p = Path(previous)
+    try:
+        if any(p == fs.slot_dir(p.parent, k) for k in fs.SLOTS) and os.path.lexists(p.parent / fs.AREA_JSON):
+            return fs.read_area_spec(p.parent).contract
+        if os.path.lexists(p / fs.AREA_JSON) or (p / "config.json").is_file():
+            return checkpoint_contract(p)
+    except (QConvertError, OSError):
+        return None
+    return None
+
+
 def read_config(root: Path) -> dict:
     """config.json of a checkpoint directory (:func:`qconvert.convert.checkpoint.read_config`)."""
     from qconvert.convert.checkpoint import read_config as _read_config

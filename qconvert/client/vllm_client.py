@@ -59,6 +59,7 @@ from qconvert.client.reload import (
     drop_staged,
     fan_out,
     load_paused,
+    refuse_layout_mismatch,
     resolve_source,
 )
 from qconvert.engine import EXTENSION_FLAG, PRESHUFFLED_RPC, STAGED_RPC
@@ -333,9 +334,7 @@ def _reload_one(
 ) -> ReloadResult:
     import time
 
-    from qconvert.client.staging import checkpoint_contract, contract_mismatch
     from qconvert.convert.checkpoint import read_config
-    from qconvert.formats import staging as fmt
 
     t0 = time.perf_counter()
     client.check_dev_mode()
@@ -356,26 +355,8 @@ def _reload_one(
         repack = True
     preflight(client, path)
     previous = client.current_weights(rollback)
-    if check_contract and previous and Path(previous, "config.json").is_file():
-        try:
-            have = checkpoint_contract(previous)
-        except QConvertError:
-            have = None
-        want = expected_contract if expected_contract is not None else checkpoint_contract(path)
-        if have is not None and (diff := contract_mismatch(want, have)):
-            # name the exact difference when both are checkpoint directories
-            if expected_contract is None and not fmt.is_area(Path(previous)):
-                from qconvert.client.compat import ReloadIncompatible, check_reload_compatible
-
-                try:
-                    check_reload_compatible(previous, path)
-                except ReloadIncompatible as e:
-                    raise ReloadError(f"{client.url}: {e}") from None
-            raise ReloadError(
-                f"{client.url}: {path} does not match the layout of the served checkpoint "
-                f"{clean(previous, 200)} ({', '.join(diff)} differ); convert it with the same options "
-                "or restart the server on it"
-            )
+    if check_contract:
+        refuse_layout_mismatch(client.url, path, previous, expected_contract)
 
     def restore(prev: str) -> None:
         if repack or client.has_extension():
