@@ -328,26 +328,22 @@ def test_refit_live_weights_equal_converted_reload(served):
         for f in sorted(served["b_src"].glob("*.safetensors")):
             yield from load_file(f).items()
 
-    res = refit(
-        stream(),
-        reference=served["b_src"],
-        urls=[srv.url],
-        stage_name="policy",
-        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
-        weight_version="B-refit",
-    )
+    def refit_b(version: str):
+        return refit(
+            stream(),
+            reference=served["b_src"],
+            urls=[srv.url],
+            stage_name="policy",
+            options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
+            weight_version=version,
+        )
+
+    res = refit_b("B-refit")
     assert res.reload[0].ok
     assert srv.greedy() == want
     # a second refit while the server serves the area (checked against the contract it records),
     # then a checkpoint directory of the same layout
-    res = refit(
-        stream(),
-        reference=served["b_src"],
-        urls=[srv.url],
-        stage_name="policy",
-        options=ConvertOptions(scheme="mxfp8", plan=PlanOptions(last_n_bf16=1), progress=False),
-        weight_version="B-refit-2",
-    )
+    res = refit_b("B-refit-2")
     assert res.reload[0].ok and res.area.version == 2
     assert srv.greedy() == want
     reload_vllm([srv.url], served["a"], weight_version="A-after-refit")

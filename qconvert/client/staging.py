@@ -138,14 +138,14 @@ def served_contract(previous: str | os.PathLike | None) -> dict | None:
     if not previous:
         return None
     p = Path(previous)
+    if any(p == fs.slot_dir(p.parent, k) for k in fs.SLOTS) and os.path.lexists(p.parent / fs.AREA_JSON):
+        p = p.parent  # a slot directory: its area's contract
+    if not (os.path.lexists(p / fs.AREA_JSON) or (p / "config.json").is_file()):
+        return None
     try:
-        if any(p == fs.slot_dir(p.parent, k) for k in fs.SLOTS) and os.path.lexists(p.parent / fs.AREA_JSON):
-            return fs.read_area_spec(p.parent).contract
-        if os.path.lexists(p / fs.AREA_JSON) or (p / "config.json").is_file():
-            return checkpoint_contract(p)
+        return checkpoint_contract(p)
     except (QConvertError, OSError):
         return None
-    return None
 
 
 def read_config(root: Path) -> dict:
